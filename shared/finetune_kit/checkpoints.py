@@ -1,0 +1,98 @@
+"""Resumable DeepSpeed checkpoints and the final consolidated 16-bit model.
+
+Layout under a run's output folder::
+
+    checkpoints/step_000050/   accelerate.save_state: DeepSpeed shards (model, optimizer,
+                               scheduler), RNG states, and trainer_state.json
+    model/                     consolidated safetensors + tokenizer, loadable with plain
+                               AutoModelForCausalLM.from_pretrained
+
+An output folder that already holds checkpoints is never overwritten silently: the run
+must be resumed (``--resume``) or pointed at a new folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from finetune_kit.errors import ConfigError
+
+STATE_FILE = "trainer_state.json"
+PREFIX = "step_"
+
+
+def checkpoint_root(output: Path) -> Path:
+    return Path(output) / "checkpoints"
+
+
+def checkpoint_path(output: Path, step: int) -> Path:
+    return checkpoint_root(output) / f"{PREFIX}{step:06d}"
+
+
+def list_checkpoints(output: Path) -> list[Path]:
+    """Complete checkpoints (those with a trainer state), oldest first."""
+    root = checkpoint_root(output)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{PREFIX}*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def resolve_resume(resume: str | None, output: Path) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run; raise on a risky start.
+
+    ``resume`` is None (fresh run), ``"latest"`` (newest checkpoint under ``output``),
+    or a checkpoint folder.
+    """
+    existing = list_checkpoints(output)
+    if resume is None:
+        if existing:
+            raise ConfigError(
+                f"output folder '{output}' already holds {len(existing)} checkpoint(s) (newest: "
+                f"{existing[-1].name}). Pass --resume to continue that run, or choose a new "
+                "--output; nothing was overwritten."
+            )
+        return None
+    if resume == "latest":
+        if not existing:
+            raise ConfigError(f"--resume: no checkpoint found under '{checkpoint_root(output)}'. "
+                              "Start without --resume, or pass the checkpoint folder explicitly.")
+        return existing[-1]
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(f"--resume '{resume}' is not a complete checkpoint folder (no {STATE_FILE}). "
+                          f"Checkpoints live under '{checkpoint_root(output)}'.")
+    return path
+
+
+def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int) -> Path:
+    """Save a resumable checkpoint (all ranks must call) and prune to the newest ``keep``."""
+    path = checkpoint_path(output, step)
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        (path / STATE_FILE).write_text(json.dumps(state, indent=2))  # written last: marks complete
+        if keep > 0:
+            for old in list_checkpoints(output)[:-keep]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore model, optimizer, scheduler and RNG states; return the trainer state."""
+    accelerator.load_state(str(path))
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
+    """Gather the full 16-bit weights (ZeRO-3: needs stage3_gather_16bit_weights_on_model_save)
+    and write safetensors plus tokenizer. All ranks must call; rank 0 writes."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    accelerator.wait_for_everyone()
+    return Path(out)
