@@ -27,14 +27,15 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, gather_object, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
 from finetune_kit import checkpoints, data, launch_checks, models
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
 from finetune_kit.throughput import ThroughputMeter, peak_memory_gib
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,7 +208,8 @@ def main(argv=None) -> None:
             "recipe": "llama3-8b-zero3", "model": args.model, "world_size": world,
             "zero_stage": model.zero_optimization_stage(), "deepspeed_config": str(ds_path),
             "steps": state["step"], "total_steps": total_steps, "resumed_from": str(resume_from or ""),
-            "eval_loss": eval_loss, "eval_examples": n_eval, "train_sequences": len(train_set),
+            "eval_loss": eval_loss, "train_sequences": len(train_set),
+            "eval_example_ids": [i for ids in split["test"]["example_ids"] for i in ids] if split else [],
             "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "model_dir": str(model_dir),
             "peak_memory_rank0": peak_memory_gib(), "ranks": shards,

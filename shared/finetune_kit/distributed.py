@@ -9,6 +9,7 @@ single-process jobs. Passing ``InitProcessGroupKwargs(backend="gloo")`` fixes it
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -27,8 +28,9 @@ def on_cpu_only() -> bool:
 
 
 def make_accelerator(**kwargs) -> Accelerator:
-    """``Accelerator(**kwargs)``, with the gloo process group on CPU-only machines."""
-    if on_cpu_only():
+    """``Accelerator(**kwargs)``, with the gloo process group on CPU-only machines
+    when a launcher started several processes."""
+    if on_cpu_only() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         handlers = list(kwargs.pop("kwargs_handlers", []) or [])
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
         kwargs["kwargs_handlers"] = handlers

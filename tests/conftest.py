@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models are built once per test session, from the shipped sample."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "shared/finetune_kit/sample_data/instructions.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory) -> Path:
+    from finetune_kit.tiny import build_tiny
+
+    return build_tiny("llama3", tmp_path_factory.mktemp("models") / "tiny-llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama2(tmp_path_factory) -> Path:
+    from finetune_kit.tiny import build_tiny
+
+    return build_tiny("llama2", tmp_path_factory.mktemp("models") / "tiny-llama2")
+
+
+def load_script(path: Path):
+    """Import a recipe's train.py as a module (recipes are folders, not packages)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{path.parent.name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,218 @@
+"""The Llama 3 8B ZeRO-3 recipe end to end: its own train.py and configs, 2 CPU processes.
+
+The run uses a copy of the recipe folder outside the repository, with only the shared
+package installed, as a user who copies a recipe would. Against the README command, only
+model path, data path, step counts and sizes change -- plus --lr: a randomly initialised
+tiny model needs a larger step than a pretrained 8B to show its loss falling in 8 steps.
+
+Regenerate the golden losses after an intended numerics change with
+``UPDATE_GOLDEN=1 nox -s recipe-llama3-8b-zero3`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, SAMPLE, load_script
+
+pytestmark = pytest.mark.recipe
+
+RECIPE = REPO / "recipes/llama3-8b-zero3"
+GOLDEN = REPO / "tests/golden/llama3-8b-zero3.json"
+LOSS_ATOL = 5e-3  # CPU bf16 kernels may round differently across CPU generations
+STEPS, SAVE_EVERY = 8, 4
+
+
+def sizes(model: Path) -> list[str]:
+    return ["--model", str(model), "--data", str(SAMPLE), "--max-seq-len", "128",
+            "--micro-batch-size", "4", "--grad-accum", "2", "--lr", "1e-3"]
+
+
+def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int = 2):
+    cmd = ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), "train.py", *args]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    return proc
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recipe_copy(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("user") / "llama3-8b-zero3"
+    shutil.copytree(RECIPE, dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("runs") / "fresh"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "done: 8 steps" in proc.stdout
+    return output
+
+
+@pytest.fixture(scope="module")
+def run_info(run) -> dict:
+    return json.loads((run / "run_info.json").read_text())
+
+
+def test_copied_recipe_uses_the_installed_package(recipe_copy):
+    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
+                           cwd=recipe_copy, capture_output=True, text=True, check=True).stdout.strip()
+    assert not Path(where).is_relative_to(REPO / "shared"), where
+
+
+def test_two_ranks_train_on_different_data(run_info):
+    assert run_info["world_size"] == 2
+    ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}
+    assert sorted(ids) == [0, 1]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert not (ids[0] | ids[1]) & set(run_info["eval_example_ids"])  # validation rows are held out
+
+
+def test_zero3_partitions_parameters(run_info):
+    assert run_info["zero_stage"] == 3
+    for rank in run_info["ranks"]:
+        params = rank["params"]
+        assert params["partitioned_params"] > 0
+        # each rank holds about half of every partitioned tensor (ZeRO pads to even shards)
+        assert params["local"] < 0.6 * params["total"], params
+
+
+def test_loss_falls(run):
+    losses = [m["loss"] for m in read_metrics(run)]
+    assert len(losses) == STEPS
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.2, losses
+
+
+def test_losses_match_golden(run):
+    losses = [m["loss"] for m in read_metrics(run)]
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"steps": STEPS, "atol": LOSS_ATOL, "losses": losses}, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert losses == pytest.approx(golden, abs=LOSS_ATOL)
+
+
+def test_metrics_carry_throughput_and_memory(run):
+    for m in read_metrics(run):
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
+        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
+
+
+def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
+    """Plain transformers loads model/; its weights equal the fp32 masters of the last
+    DeepSpeed checkpoint rounded to bf16, so logits agree exactly; and it reproduces the
+    validation loss that the run reported."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from finetune_kit import data, models
+    from finetune_kit.evaluation import token_loss_sums
+
+    saved = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert saved.dtype == torch.bfloat16
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(run / f"checkpoints/step_{STEPS:06d}"),
+                                                       tag="pytorch_model")
+    rebuilt = AutoModelForCausalLM.from_pretrained(tiny_llama3)
+    rebuilt.load_state_dict({k: v.to(torch.bfloat16) for k, v in masters.items()})
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama3)
+    assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
+
+    tokenizer = models.load_tokenizer(str(run / "model"))
+    rows = data.load_rows(str(SAMPLE))
+    eval_set = [data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], 128)
+                for i in run_info["eval_example_ids"]]
+    batch = data.PadCollator(tokenizer.pad_token_id)([{**ex, "example_ids": [0]} for ex in eval_set])
+    with torch.no_grad():
+        logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        assert torch.equal(logits, rebuilt(input_ids=batch["input_ids"],
+                                           attention_mask=batch["attention_mask"]).logits)
+    sums, counts = token_loss_sums(logits, batch["labels"])
+    assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
+
+
+def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path):
+    output = tmp_path / "resumed"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", str(SAVE_EVERY), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"at step {SAVE_EVERY}" in proc.stdout
+    resumed = read_metrics(output)
+    assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    # same data order, optimizer and schedule state: the same losses as the uninterrupted run
+    straight = read_metrics(run)[SAVE_EVERY:]
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in straight], abs=1e-4)
+
+
+def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), "--max-steps", "2", nproc=1)
+    assert proc.returncode != 0
+    assert "already holds 2 checkpoint(s)" in proc.stderr and "--resume" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, tiny_llama3, tmp_path):
+    bad = json.loads((recipe_copy / "configs/zero3.json").read_text())
+    bad["train_batch_size"] = 64  # launch gives 4 x 2 x 2 = 16
+    (recipe_copy / "configs/bad.json").write_text(json.dumps(bad))
+    yaml_text = (recipe_copy / "configs/zero3.yaml").read_text().replace("configs/zero3.json", "configs/bad.json")
+    (recipe_copy / "configs/bad.yaml").write_text(yaml_text)
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/bad.yaml")
+    assert proc.returncode != 0
+    assert "train_batch_size = 64" in proc.stderr and "= 16" in proc.stderr
+    assert "error: " in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr  # the script exits with the message, no stack trace
+    assert not (tmp_path / "out").exists()  # failed before anything was written
+
+
+@pytest.fixture
+def train_main(monkeypatch):
+    """The recipe's main() in-process, as accelerate launch would start it (one process)."""
+    monkeypatch.chdir(RECIPE)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
+    return load_script(RECIPE / "train.py").main
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
+    ("missing_fields", r"has no field 'response'"),
+    ("empty_after_filter", r"no training examples left"),
+    ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
+    ("no_model", r"model path '/no/such/model' does not exist"),
+])
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama3, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "128",
+            "--output": str(tmp_path / "out")}
+    if case == "missing_file":
+        args["--data"] = str(tmp_path / "absent.jsonl")
+    elif case == "missing_fields":
+        args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    elif case == "empty_after_filter":
+        args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "word " * 200, "response": "b"}])
+    elif case == "seq_len_too_long":
+        args["--max-seq-len"] = "4096"
+    elif case == "no_model":
+        args["--model"] = "/no/such/model"
+    with pytest.raises(UserInputError, match=pattern):
+        train_main([x for kv in args.items() for x in kv])
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,85 @@
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune_kit import launch_checks
+from finetune_kit.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE_CONFIGS = sorted((REPO / "recipes").glob("*/configs/*.json"))
+ACCELERATE_YAMLS = sorted((REPO / "recipes").glob("*/configs/*.yaml"))
+
+
+def test_auto_values_always_pass():
+    cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    launch_checks.check_batch_sizes(cfg, micro_batch_size=3, grad_accum=5, world=7)
+
+
+def test_consistent_fixed_values_pass():
+    cfg = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    launch_checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
+
+
+@pytest.mark.parametrize("cfg, pattern", [
+    ({"train_micro_batch_size_per_gpu": 8}, r"train_micro_batch_size_per_gpu = 8 .*--micro-batch-size 4"),
+    ({"gradient_accumulation_steps": 4}, r"gradient_accumulation_steps = 4 .*--grad-accum 2"),
+    ({"train_batch_size": 32}, r"train_batch_size = 32.*4 x accumulation 2 x 8 processes = 64"),
+])
+def test_contradictions_name_both_values(cfg, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        launch_checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        launch_checks.load_deepspeed_config(tmp_path / "x.json")
+
+
+def test_launched_config_comes_from_accelerate_env(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    assert launch_checks.launched_deepspeed_config() is None
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
+    assert launch_checks.launched_deepspeed_config() == Path("configs/zero3.json")
+
+
+def fill_auto(cfg: dict, hidden: int = 4096) -> dict:
+    """What accelerate writes over the "auto" values at prepare() time."""
+    text = json.dumps(cfg)
+    filled = json.loads(text)
+    filled.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4, train_batch_size=16)
+    zo = filled["zero_optimization"]
+    for key, value in {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                       "stage3_param_persistence_threshold": 10 * hidden}.items():
+        if zo.get(key) == "auto":
+            zo[key] = value
+    filled["optimizer"]["params"].update(lr=2e-5, weight_decay=0.0)
+    return filled
+
+
+@pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_shipped_deepspeed_configs_parse_in_deepspeed(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = json.loads(path.read_text())
+    parsed = DeepSpeedConfig(fill_auto(raw))
+    assert parsed.bfloat16_config.enabled
+    assert parsed.zero_config.stage == int(raw["zero_optimization"]["stage"])
+    if parsed.zero_config.stage == 3:
+        assert parsed.zero_config.gather_16bit_weights_on_model_save
+    assert parsed.gradient_clipping == 1.0
+    offload = raw["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+    assert (parsed.zero_config.offload_optimizer is not None and
+            parsed.zero_config.offload_optimizer.device == "cpu") == (offload == "cpu")
+
+
+@pytest.mark.parametrize("path", ACCELERATE_YAMLS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_accelerate_yamls_point_at_shipped_json(path):
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["distributed_type"] == "DEEPSPEED"
+    ds = cfg["deepspeed_config"]
+    assert (path.parent.parent / ds["deepspeed_config_file"]).is_file()  # relative to the recipe folder
+    assert ds["zero3_init_flag"] is True
+    # accelerate refuses these next to deepspeed_config_file; the JSON owns them
+    assert "mixed_precision" not in cfg and "gradient_accumulation_steps" not in ds
