@@ -22,7 +22,7 @@ ROOT = Path(__file__).parent
 
 
 def install_stack(session: nox.Session) -> None:
-    session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev")
+    session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", external=True)
     session.install("--no-deps", "--force-reinstall", str(ROOT))
 
 
