@@ -181,8 +181,9 @@ def main(argv=None) -> None:
                 if accelerator.is_main_process:
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(record) + "\n")
+                peak = record.get("gpu_allocated_GiB", record["host_rss_GiB"])
                 bar.set_postfix(loss=f"{loss_avg:.4f}", lr=f"{lr:.2e}",
-                                tok_s=f"{rate.tokens_per_s:,.0f}")
+                                tok_s=f"{rate.tokens_per_s:,.0f}", peak_mem=f"{peak:.1f}GiB")
             bar.update(1)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch:
@@ -217,7 +218,9 @@ def main(argv=None) -> None:
         }
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
         eval_text = f"{eval_loss:.4f}" if eval_loss is not None else "n/a"
-        print(f"done: {state['step']} steps, validation loss {eval_text}, model saved to {model_dir}")
+        print(f"done: {state['step']} steps, validation loss {eval_text}, "
+              f"{meter.total_tokens:,} tokens trained in this session, model saved to {model_dir}\n"
+              f"per-step loss, tokens/s and memory: {metrics_file}")
     accelerator.end_training()
 
 
