@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,12 @@ def tiny_llama2(tmp_path_factory) -> Path:
     from finetune_kit.tiny import build_tiny
 
     return build_tiny("llama2", tmp_path_factory.mktemp("models") / "tiny-llama2")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Write rows as JSON lines; return the path as a string (what --data takes)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
 
 
 def load_script(path: Path):

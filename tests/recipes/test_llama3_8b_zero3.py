@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, SAMPLE, load_script
+from tests.conftest import REPO, SAMPLE, load_script, write_jsonl
 
 pytestmark = pytest.mark.recipe
 
@@ -184,11 +184,6 @@ def train_main(monkeypatch):
     monkeypatch.chdir(RECIPE)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
     return load_script(RECIPE / "train.py").main
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.mark.parametrize("case, pattern", [

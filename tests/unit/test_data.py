@@ -1,11 +1,10 @@
-import json
-
 import pytest
 import torch
 
 from finetune_kit import data
 from finetune_kit.errors import DataError
 from finetune_kit.models import load_tokenizer
+from tests.conftest import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +15,6 @@ def tok3(tiny_llama3):
 @pytest.fixture(scope="module")
 def tok2(tiny_llama2):
     return load_tokenizer(str(tiny_llama2))
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def test_sample_is_a_few_hundred_complete_rows():
