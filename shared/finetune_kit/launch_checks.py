@@ -26,6 +26,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def num_nodes() -> int:
+    """Machines in the job: world size over processes per machine (torchrun's LOCAL_WORLD_SIZE)."""
+    world = world_size()
+    return max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
 def load_deepspeed_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():

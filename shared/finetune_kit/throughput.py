@@ -1,18 +1,33 @@
-"""Tokens per second and peak memory, measured the same way in every recipe.
+"""Tokens per second, model TFLOP/s, MFU and peak memory, measured the same way in every recipe.
 
-Only real tokens count: padding is excluded (``attention_mask.sum()``), so a padded
-batch does not look faster than it is. Rates are over wall-clock time between
-optimizer steps, summed over all ranks, and also given per device.
+Only real tokens count: padding is excluded (``attention_mask.sum()``), so a padded batch
+does not look faster than it is; the padding share is reported beside it. Rates are over
+wall-clock time between optimizer steps, summed over all ranks, and also given per device.
+FLOPs come from :mod:`finetune_kit.flops` (one stated formula); MFU is against the device's
+dense bf16 peak and is absent on CPUs and unknown devices.
+
+In a training loop::
+
+    tally = StepTally(flop_counter)              # per rank, per optimizer step
+    meter = ThroughputMeter(num_devices=world, peak_tflops=flops.peak_tflops(device_name))
+    ...  for each micro-batch:  tally.add(batch["attention_mask"])
+    ...  at each optimizer step: rate = meter.step(**tally.reduce(accelerator))
+    metrics = rate.as_metrics() | peak_memory_gib()
+    summary = meter.summary(warmup_steps=3)     # medians for the run record
 """
 
 from __future__ import annotations
 
+import platform
 import resource
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+
+from finetune_kit.flops import FlopCounter, mfu_percent
 
 
 @dataclass
@@ -21,27 +36,81 @@ class StepRate:
     tokens: int  # real (non-padding) tokens in the step, all ranks
     tokens_per_s: float
     tokens_per_s_per_device: float
+    padding_fraction: float | None = None  # padded slots / all slots in the step's batches
+    model_tflop_per_s_per_device: float | None = None
+    mfu_percent: float | None = None
+
+    def as_metrics(self) -> dict[str, float]:
+        """The figures with units in their names; absent ones (e.g. MFU on CPU) left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class StepTally:
+    """Real tokens, padded slots and model FLOPs of this rank's micro-batches in one step."""
+
+    def __init__(self, flop_counter: FlopCounter | None = None):
+        self.flop_counter = flop_counter
+        self._zero()
+
+    def _zero(self) -> None:
+        self.tokens, self.slots, self.flops = 0, 0, 0.0
+
+    def add(self, attention_mask: torch.Tensor) -> None:
+        real = int(attention_mask.sum())
+        self.tokens += real
+        self.slots += attention_mask.numel()
+        if self.flop_counter is not None:
+            self.flops += self.flop_counter.batch(real, seq_len=attention_mask.shape[-1])
+
+    def reduce(self, accelerator=None) -> dict[str, float]:
+        """Sums over all ranks (``accelerator.reduce``), then starts the next step at zero."""
+        values = torch.tensor([self.tokens, self.slots, self.flops], dtype=torch.float64)
+        if accelerator is not None and accelerator.num_processes > 1:
+            values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
+        self._zero()
+        tokens, slots, flops = values.tolist()
+        return {"tokens": int(tokens), "padded_tokens": int(slots),
+                "flops": flops if self.flop_counter is not None else None}
 
 
 class ThroughputMeter:
-    """Call ``step(tokens)`` once per optimizer step with that step's real token count."""
+    """Call ``step(tokens, padded_tokens, flops)`` once per optimizer step, all-rank totals."""
 
-    def __init__(self, num_devices: int):
+    def __init__(self, num_devices: int, peak_tflops: float | None = None):
         self.num_devices = num_devices
+        self.peak_tflops = peak_tflops
         self._last = time.perf_counter()
         self.total_tokens = 0
+        self.history: list[StepRate] = []
 
     def reset_clock(self) -> None:
         """Restart timing, e.g. after a checkpoint save or evaluation pause."""
         self._last = time.perf_counter()
 
-    def step(self, tokens: int) -> StepRate:
+    def step(self, tokens: int, padded_tokens: int | None = None, flops: float | None = None) -> StepRate:
         now = time.perf_counter()
         elapsed = max(now - self._last, 1e-9)
         self._last = now
         self.total_tokens += tokens
         rate = tokens / elapsed
-        return StepRate(elapsed, tokens, rate, rate / self.num_devices)
+        padding = 1 - tokens / padded_tokens if padded_tokens else None
+        tflops = flops / elapsed / self.num_devices / 1e12 if flops is not None else None
+        mfu = mfu_percent(tflops, self.peak_tflops) if tflops is not None else None
+        result = StepRate(elapsed, tokens, rate, rate / self.num_devices, padding, tflops, mfu)
+        self.history.append(result)
+        return result
+
+    def summary(self, warmup_steps: int) -> dict[str, float | int]:
+        """Medians over the steps after the first ``warmup_steps`` (compilation, allocator
+        growth and first-step communication setup make early steps unrepresentative)."""
+        steady = self.history[warmup_steps:]
+        out: dict[str, float | int] = {"steps_measured": len(steady), "warmup_steps_excluded": warmup_steps}
+        if not steady:
+            return out
+        for key, value in asdict(steady[0]).items():
+            if key != "tokens" and value is not None:
+                out[f"median_{key}"] = statistics.median(getattr(s, key) for s in steady)
+        return out
 
 
 def peak_memory_gib() -> dict[str, float]:
@@ -57,3 +126,23 @@ def peak_memory_gib() -> dict[str, float]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out["host_rss_GiB"] = rss / (2**30 if sys.platform == "darwin" else 2**20)
     return out
+
+
+def peak_memory_all_ranks(accelerator) -> dict[str, float | None]:
+    """Run-record peaks: GPU memory as the max over ranks; host RSS summed over each node's
+    ranks (what the node's RAM must hold, e.g. offloaded optimizer states), max over nodes."""
+    from accelerate.utils import gather_object
+
+    mine = peak_memory_gib()
+    everyone = gather_object([{"host": platform.node(), **mine}])
+    per_node: dict[str, float] = {}
+    for rank in everyone:
+        per_node[rank["host"]] = per_node.get(rank["host"], 0.0) + rank["host_rss_GiB"]
+
+    def most(key):
+        values = [r[key] for r in everyone if key in r]
+        return max(values) if values else None
+
+    return {"peak_gpu_allocated_GiB": most("gpu_allocated_GiB"),
+            "peak_gpu_reserved_GiB": most("gpu_reserved_GiB"),
+            "peak_host_rss_GiB_per_node": max(per_node.values())}
