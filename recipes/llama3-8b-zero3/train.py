@@ -13,7 +13,9 @@ Launch from this folder:
 
 Data: JSONL/CSV rows (or a hub dataset) with "prompt" and "response" fields. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
-safetensors + tokenizer), metrics.jsonl (one line per logged step), run_info.json.
+safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
+MFU, memory; also TensorBoard when installed), run_record.json (throughput medians, peak
+memory, hardware and library versions: what results/ collects), run_info.json.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from finetune_kit import checkpoints, data, launch_checks, models
+from finetune_kit import checkpoints, data, launch_checks, models, run_record
+from finetune_kit.architectures import Architecture
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
-from finetune_kit.throughput import ThroughputMeter, peak_memory_gib
+from finetune_kit.flops import FlopCounter, peak_tflops
+from finetune_kit.metrics_log import MetricsLog
+from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the newest checkpoint in --output, or from a given folder")
     p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
+    p.add_argument("--meter-warmup-steps", type=int, default=3,
+                   help="first optimizer steps left out of the run record's throughput medians")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -140,16 +147,16 @@ def main(argv=None) -> None:
         state = checkpoints.load_checkpoint(accelerator, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {state['step']}")
 
-    # ---- 6. Train ----
-    meter = ThroughputMeter(num_devices=world)
-    metrics_file = output / "metrics.jsonl"
-    if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+    # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
+    arch = Architecture.from_config(model_config, name=args.model)
+    tally = StepTally(FlopCounter(arch))
+    meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
+    log = MetricsLog(output, enabled=accelerator.is_main_process)
     seen_ids: list[int] = []  # rows this rank trained on, for the run record
     bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
                disable=not accelerator.is_local_main_process)
     model.train()
-    step_loss, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    step_loss = torch.zeros(())
     while state["step"] < total_steps:
         train_dl.set_epoch(state["epoch"])
         batches = accelerator.skip_first_batches(train_dl, state["batch_in_epoch"])
@@ -163,27 +170,23 @@ def main(argv=None) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             step_loss += loss.detach().float().cpu() / args.grad_accum
-            step_tokens += batch["attention_mask"].sum().cpu()
+            tally.add(batch["attention_mask"])
             state["batch_in_epoch"] += 1
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
             loss_avg = accelerator.reduce(step_loss.to(accelerator.device), "mean").item()
-            tokens = int(accelerator.reduce(step_tokens.to(accelerator.device), "sum").item())
-            step_loss.zero_(), step_tokens.zero_()
-            rate = meter.step(tokens)
+            step_loss.zero_()
+            rate = meter.step(**tally.reduce(accelerator))
             if state["step"] % args.log_every == 0 or state["step"] == total_steps:
-                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg,
-                          "lr": lr, "tokens": tokens,
-                          "tokens_per_s": rate.tokens_per_s,
-                          "tokens_per_s_per_device": rate.tokens_per_s_per_device,
-                          "step_time_s": rate.step_time_s, **peak_memory_gib()}
-                if accelerator.is_main_process:
-                    with metrics_file.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-                peak = record.get("gpu_allocated_GiB", record["host_rss_GiB"])
-                bar.set_postfix(loss=f"{loss_avg:.4f}", lr=f"{lr:.2e}",
-                                tok_s=f"{rate.tokens_per_s:,.0f}", peak_mem=f"{peak:.1f}GiB")
+                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg, "lr": lr,
+                          **rate.as_metrics(), **peak_memory_gib()}
+                log.write(record)
+                peak = record.get("gpu_reserved_GiB", record["host_rss_GiB"])
+                mfu = f", mfu={rate.mfu_percent:.1f}%" if rate.mfu_percent is not None else ""
+                bar.set_postfix_str(f"loss={loss_avg:.4f}, lr={lr:.2e}, tok/s={rate.tokens_per_s:,.0f}, "
+                                    f"TFLOP/s/dev={rate.model_tflop_per_s_per_device:.1f}{mfu}, "
+                                    f"peak_mem={peak:.1f}GiB")
             bar.update(1)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch:
@@ -197,6 +200,7 @@ def main(argv=None) -> None:
             if done_epoch or state["step"] >= total_steps:
                 break
     bar.close()
+    log.close()
 
     # ---- 7. Evaluate, save the consolidated model, write the run record ----
     eval_loss = evaluate_loss(model, eval_dl, accelerator) if eval_dl is not None else None
@@ -204,7 +208,18 @@ def main(argv=None) -> None:
     shards = gather_object([{"rank": accelerator.process_index,
                                          "example_ids": seen_ids,
                                          "params": partition_report(model)}])
+    peaks = peak_memory_all_ranks(accelerator)
     if accelerator.is_main_process:
+        record = run_record.for_training_run(
+            recipe="llama3-8b-zero3", model_name=args.model, arch=arch, flop_counter=tally.flop_counter,
+            params_trainable=shards[0]["params"]["total"], ds_config=ds_config,
+            script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")},
+            world=world, nodes=launch_checks.num_nodes(), meter=meter, warmup_steps=args.meter_warmup_steps,
+            peaks=peaks, where=Path(__file__).parent,
+            training={"method": "full", "seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
+                      "grad_accum": args.grad_accum, "gradient_checkpointing": args.gradient_checkpointing,
+                      "packing": args.pack})
+        record.write(output / "run_record.json")
         run_info = {
             "recipe": "llama3-8b-zero3", "model": args.model, "world_size": world,
             "zero_stage": model.zero_optimization_stage(), "deepspeed_config": str(ds_path),
@@ -220,7 +235,7 @@ def main(argv=None) -> None:
         eval_text = f"{eval_loss:.4f}" if eval_loss is not None else "n/a"
         print(f"done: {state['step']} steps, validation loss {eval_text}, "
               f"{meter.total_tokens:,} tokens trained in this session, model saved to {model_dir}\n"
-              f"per-step loss, tokens/s and memory: {metrics_file}")
+              f"per-step loss, tokens/s and memory: {log.path}; run record: {output / 'run_record.json'}")
     accelerator.end_training()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,32 @@ def test_metrics_carry_throughput_and_memory(run):
     for m in read_metrics(run):
         assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
         assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
+        assert 0 <= m["padding_fraction"] < 1 and m["model_tflop_per_s_per_device"] > 0
+        assert "mfu_percent" not in m  # a CPU has no bf16 peak to compare with
+
+
+def test_run_record_describes_the_run(run, tiny_llama3):
+    from transformers import AutoConfig
+
+    from finetune_kit.architectures import Architecture
+    from finetune_kit.flops import FlopCounter
+    from finetune_kit.run_record import RunRecord
+
+    rec = RunRecord.read(run / "run_record.json")
+    assert rec.recipe == "llama3-8b-zero3"
+    assert (rec.hardware.device, rec.hardware.devices, rec.hardware.nodes) == ("cpu", 2, 1)
+    assert rec.hardware.peak_bf16_tflops_per_device is None and rec.measured.mfu_percent is None
+    arch = Architecture.from_config(AutoConfig.from_pretrained(tiny_llama3))
+    assert rec.model.params_total == rec.model.params_trainable == arch.total_params()
+    assert (rec.training.zero_stage, rec.training.global_batch_size, rec.training.seq_len) == (3, 16, 128)
+    m = rec.measured
+    assert (m.steps_total, m.warmup_steps_excluded, m.steps_measured) == (STEPS, 3, STEPS - 3)
+    steady = read_metrics(run)[3:]
+    assert m.tokens_per_s == pytest.approx(statistics.median(x["tokens_per_s"] for x in steady))
+    # TFLOP/s is the FLOP formula applied to the real tokens of each step
+    per_token_min = FlopCounter(arch).per_token(8)
+    assert m.model_tflop_per_s_per_device * 1e12 >= m.tokens_per_s_per_device * per_token_min * 0.99
+    assert m.peak_host_rss_GiB_per_node > 0 and m.peak_gpu_allocated_GiB is None
 
 
 def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
