@@ -1,6 +1,7 @@
 # One command to set up and run each thing; see README.md.
 #   make demo            fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 #   make test            lint, unit tests and every recipe's end-to-end session (nox)
+#   make results         regenerate results/README.md and its plot from the run records
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
 
 PYTHON ?= python3
@@ -16,10 +17,10 @@ RECIPE_8B := recipes/llama3-8b-zero3
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
 
-.PHONY: help demo test lint unit recipe-8b-zero3 clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 clean
 
 help:
-	@sed -n '2,4p' Makefile
+	@sed -n '2,5p' Makefile
 
 # Only nox lives here; each nox session installs the pinned stack in its own venv.
 $(NOX): docker/requirements.txt
@@ -38,6 +39,10 @@ lint: $(NOX)
 
 unit: $(NOX)
 	$(NOX) -s unit
+
+# Tables and plot in results/ come only from results/published.csv and results/runs/*.json.
+results: $(NOX)
+	$(NOX) -s results
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).

@@ -3,6 +3,7 @@
     nox                             # lint, unit, and every recipe session
     nox -s recipe-llama3-8b-zero3   # one recipe end to end on a tiny model, 2 CPU processes
     nox -s demo                     # the 8B recipe on the tiny model, for a first look
+    nox -s results                  # regenerate results/README.md and results/throughput.png
 
 Every session installs the one pinned stack (docker/requirements.txt) and the shared
 package as a user would (a regular, non-editable install).
@@ -70,3 +71,12 @@ def demo(session: nox.Session) -> None:
         "--grad-accum", "2", "--epochs", "3", "--lr", "1e-3", "--save-every", "30", "--log-every", "5",
     )
     session.log(f"demo finished: model in {output / 'model'}, per-step metrics in {output / 'metrics.jsonl'}")
+
+
+@nox.session(default=False)
+def results(session: nox.Session) -> None:
+    """Regenerate results/README.md and throughput.png from published.csv and the run records
+    (needs only pydantic and matplotlib, pinned by the same lock files)."""
+    session.install("-c", "docker/requirements.txt", "-c", "docker/requirements-dev.txt", "pydantic", "matplotlib")
+    session.install("--no-deps", "--force-reinstall", str(ROOT))
+    session.run("python", "-m", "finetune_kit.report", *session.posargs)

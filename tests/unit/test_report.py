@@ -1,0 +1,61 @@
+"""results/: the committed page and plot are exactly what the generator makes from the data."""
+
+import shutil
+
+import pytest
+
+from finetune_kit import report
+from tests.conftest import REPO
+from tests.unit.test_run_record import a_record
+
+RESULTS = REPO / "results"
+
+
+def test_committed_results_are_regenerated_byte_for_byte(tmp_path):
+    for path in report.generate(RESULTS, tmp_path):
+        committed = RESULTS / path.name
+        assert path.read_bytes() == committed.read_bytes(), (
+            f"results/{path.name} is not what 'make results' makes from the records; run it and commit")
+
+
+def test_check_mode_fails_on_a_stale_page(tmp_path):
+    shutil.copytree(RESULTS, tmp_path / "results")
+    assert report.main(["--results", str(tmp_path / "results"), "--check"]) == 0
+    (tmp_path / "results/README.md").write_text("typed by hand\n")
+    assert report.main(["--results", str(tmp_path / "results"), "--check"]) == 1
+
+
+def test_published_rows_get_per_gpu_rates_and_mfu_from_one_formula():
+    lines, rows = report.published_rows(RESULTS / "published.csv")
+    by_label = {r.label: r for r in rows}
+    qlora = next(r for label, r in by_label.items() if label.startswith("llama-2-70b"))
+    assert qlora.tokens_per_s_per_gpu == pytest.approx(1024 * 2048 / 667 / 4)  # samples x tokens / s / GPUs
+    seed_13b = next(r for label, r in by_label.items() if label.startswith("llama-13b"))
+    assert seed_13b.tokens_per_s_per_gpu == 3500 / 8
+    foundry = next(r for label, r in by_label.items() if label.startswith("mpt-7b"))
+    assert foundry.mfu == pytest.approx(46.44, abs=0.1)  # the source's own MFU, recomputed
+    assert all(r.mfu is not None and not r.measured for r in rows)
+
+
+def test_gpu_runs_and_cpu_smoke_runs_are_kept_apart(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    (results / "runs/smoke").mkdir(parents=True)
+    shutil.copy(RESULTS / "published.csv", results)
+    gpu = a_record(monkeypatch, tmp_path)
+    gpu.hardware.device = "NVIDIA H100 80GB HBM3"
+    gpu.write(results / "runs/llama3-8b-h100.json")
+    smoke = a_record(monkeypatch, tmp_path)
+    smoke.hardware.device, smoke.measured.mfu_percent = "cpu", None
+    smoke.write(results / "runs/smoke/llama3-8b-cpu.json")
+
+    page, rows = report.render(results)
+    measured = [r for r in rows if r.measured]
+    assert [r.label.split(" · ")[0] for r in measured] == ["llama3-8b-h100"]  # the smoke run is no bar
+    assert measured[0].tokens_per_s_per_gpu == 2_000
+    gpu_section = page.split("## Measured on GPUs")[1].split("## CPU smoke runs")[0]
+    smoke_section = page.split("## CPU smoke runs")[1]
+    assert "`llama3-8b-h100`" in gpu_section and "llama3-8b-cpu" not in gpu_section
+    assert "`llama3-8b-cpu`" in smoke_section and "llama3-8b-h100" not in smoke_section
+    assert "| 2,000 |" in gpu_section  # tokens/s per GPU
+    report.generate(results, results)
+    assert (results / "throughput.png").stat().st_size > 10_000
