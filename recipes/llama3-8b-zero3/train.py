@@ -148,7 +148,7 @@ def main(argv=None) -> None:
         accelerator.print(f"resumed from {resume_from} at step {state['step']}")
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
-    arch = Architecture.from_config(model_config, name=args.model)
+    arch = Architecture.from_config(model_config)
     tally = StepTally(FlopCounter(arch))
     meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
     log = MetricsLog(output, enabled=accelerator.is_main_process)
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
                 peak = record.get("gpu_reserved_GiB", record["host_rss_GiB"])
                 mfu = f", mfu={rate.mfu_percent:.1f}%" if rate.mfu_percent is not None else ""
                 bar.set_postfix_str(f"loss={loss_avg:.4f}, lr={lr:.2e}, tok/s={rate.tokens_per_s:,.0f}, "
-                                    f"TFLOP/s/dev={rate.model_tflop_per_s_per_device:.1f}{mfu}, "
+                                    f"TFLOP/s/dev={rate.model_tflop_per_s_per_device:.3g}{mfu}, "
                                     f"peak_mem={peak:.1f}GiB")
             bar.update(1)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum

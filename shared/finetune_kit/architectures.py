@@ -30,16 +30,26 @@ class Architecture:
     @classmethod
     def from_config(cls, config, name: str | None = None) -> Architecture:
         """From a transformers ``PretrainedConfig`` of a Llama-like model."""
-        hidden = config.hidden_size
         heads = config.num_attention_heads
-        return cls(
-            name=name or getattr(config, "_name_or_path", "") or config.model_type,
-            hidden=hidden, layers=config.num_hidden_layers, heads=heads,
+        arch = cls(
+            name=name or "", hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             ffn=config.intermediate_size, vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_positions=getattr(config, "max_position_embeddings", 4096),
         )
+        return arch if name else replace(arch, name=arch.identify(config.model_type))
+
+    def identify(self, family: str = "model") -> str:
+        """The known name of this shape (e.g. "llama-3-8b"), else a descriptive one."""
+        def shape(a):
+            return (a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.tied_embeddings, a.mlp,
+                    a.max_positions)
+
+        for known in KNOWN.values():
+            if shape(known) == shape(self):
+                return known.name
+        return f"{family} ({self.layers} layers, hidden {self.hidden})"
 
     def truncated(self, layers: int) -> Architecture:
         """Same width, fewer decoder layers (for fitting full optimizer states on one GPU)."""

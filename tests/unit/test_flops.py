@@ -90,3 +90,15 @@ def test_batch_flops_use_real_tokens_only():
     counter = FlopCounter(LLAMA3_8B)
     assert counter.batch(real_tokens=10, seq_len=2048) == 10 * counter.per_token(2048)
     assert counter.batch(real_tokens=0, seq_len=2048) == 0
+
+
+def test_a_config_of_a_known_shape_is_named_after_it():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+    assert Architecture.from_config(config).name == "llama-3-8b"
+    config.max_position_embeddings = 131072
+    assert Architecture.from_config(config).name == "llama-3.1-8b"
+    small = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    assert Architecture.from_config(small).name == "llama (2 layers, hidden 64)"
