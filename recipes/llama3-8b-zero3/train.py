@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from finetune_kit import checkpoints, data, launch_checks, models
+from finetune_kit import checkpoints, data, launch_checks, memory, models
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continue from the newest checkpoint in --output, or from a given folder")
     p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even if the memory planner predicts the run does not fit the GPUs")
     return p.parse_args(argv)
 
 
@@ -84,6 +86,9 @@ def main(argv=None) -> None:
     launch_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
                                     grad_accum=args.grad_accum, world=launch_checks.world_size(),
                                     source=str(ds_path))
+    memory_plan = memory.preflight(model_config, ds_config, world_size=launch_checks.world_size(),
+                                   micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                                   gradient_checkpointing=args.gradient_checkpointing, skip=args.skip_memory_check)
     rows = data.load_rows(args.data, args.prompt_field, args.response_field)
     resume_from = checkpoints.resolve_resume(args.resume, output)
 
@@ -213,7 +218,7 @@ def main(argv=None) -> None:
             "eval_example_ids": [i for ids in split["test"]["example_ids"] for i in ids] if split else [],
             "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "model_dir": str(model_dir),
-            "peak_memory_rank0": peak_memory_gib(), "ranks": shards,
+            "peak_memory_rank0": peak_memory_gib(), "memory_plan": memory_plan.to_dict(), "ranks": shards,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))

@@ -603,32 +603,47 @@ def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
 
 
 def local_gpu_memory_gib() -> float | None:
-    """Total memory of this process's GPU in GiB, or None without CUDA."""
+    """Total memory of this process's GPU (LOCAL_RANK) in GiB, or None without CUDA.
+
+    Asks for LOCAL_RANK's device by index: before the launcher's ranks pick their devices, the
+    "current" device is GPU 0 for all of them.
+    """
+    import os
+
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory / GiB
 
 
 def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: int, seq_len: int,
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
               num_labels: int | None = None, gpu_memory_gib: float | None = None,
               cpu_memory_gib: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
-              flags: dict | None = None, logger=None) -> Plan:
+              flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
 
     Call before any process group, data or weights. ``gpu_memory_gib`` defaults to this GPU's
     capacity; on a machine without CUDA there is nothing to compare with: the prediction is logged,
     never fatal. ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE. ``skip`` (the script's
     ``skip_flag``) turns the error into a warning. ``flags`` names the script's own flags for the
-    suggestion (keys micro_batch, grad_accum, gradient_checkpointing).
+    suggestion (keys micro_batch, grad_accum, gradient_checkpointing). ``report`` receives the
+    prediction line; by default the module logger, or stderr on rank 0 when logging is not set up.
     """
     import os
+    import sys
 
-    logger = logger or log
+    def default_report(text: str) -> None:
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", text)
+        elif os.environ.get("RANK", "0") == "0":
+            print(text, file=sys.stderr)
+
+    report = report or default_report
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus_per_node = max(1, min(gpus_per_node, world_size))
@@ -640,7 +655,7 @@ def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: in
                                  gradient_checkpointing=gradient_checkpointing, adapter=adapter,
                                  num_labels=num_labels)
     result = plan(model_config, setup)
-    logger.info("memory plan: %s", result.verdict())
+    report(f"memory plan: {result.verdict()}")
     if result.fits is False:
         fix = suggest(model_config, setup, flags)
         fix_text = f"Cheapest change that fits: {fix}." if fix else "Nothing the planner tries fits: use a " \
@@ -649,7 +664,7 @@ def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: in
                    f"{world_size} GPU(s): {result.verdict()}. {fix_text} "
                    f"(Pass {skip_flag} to launch anyway.)")
         if skip:
-            logger.warning("%s", message)
+            report(f"warning: {message}")
         else:
             raise ConfigError(message)
     return result

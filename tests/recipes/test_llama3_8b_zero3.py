@@ -74,6 +74,12 @@ def test_copied_recipe_uses_the_installed_package(recipe_copy):
     assert not Path(where).is_relative_to(REPO / "shared"), where
 
 
+def test_run_info_records_the_memory_plan(run_info):
+    plan = run_info["memory_plan"]  # no GPU here: predicted, not checked
+    assert plan["setup"]["stage"] == 3 and plan["setup"]["gpus_per_node"] * plan["setup"]["nodes"] == 2
+    assert plan["fits"] is None and plan["gpu_total_GiB"] > 0 and "not checked" in plan["verdict"]
+
+
 def test_two_ranks_train_on_different_data(run_info):
     assert run_info["world_size"] == 2
     ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}

@@ -76,3 +76,43 @@ def test_update_readmes_rewrites_only_the_marked_block(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
     assert "| 8 x 80 | `configs/z2.json` | 1 x 4096 |" in text
     assert plan_cli.main(["--update-readmes", "--root", str(tmp_path), "--check"]) == 0
+
+
+# ---- the 8B recipe's start-up check (phase 1: no process group, data or weights) ----
+@pytest.fixture()
+def real_8b_config(tmp_path):
+    from finetune_kit.memory import KNOWN_MODELS
+
+    folder = tmp_path / "llama3-8b-config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**KNOWN_MODELS["llama3-8b"], "model_type": "llama"}))
+    return folder
+
+
+def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
+    from finetune_kit import memory
+    from tests.conftest import load_script
+
+    recipe = REPO / "recipes/llama3-8b-zero3"
+    monkeypatch.chdir(recipe)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(memory, "local_gpu_memory_gib", lambda: 80.0)  # as on one 80 GB GPU
+    train = load_script(recipe / "train.py")
+    return train.main(["--model", str(model), "--data", "missing.jsonl", *extra])
+
+
+def test_8b_recipe_refuses_a_launch_that_cannot_fit(monkeypatch, real_8b_config):
+    from finetune_kit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"does not fit.*offload_optimizer.*--skip-memory-check"):
+        start_8b_recipe(monkeypatch, real_8b_config)
+
+
+@pytest.mark.parametrize("extra,config", [(["--skip-memory-check"], "configs/zero3.json"),
+                                          ([], "configs/zero3-offload.json")], ids=["skip-flag", "offload-fits"])
+def test_8b_recipe_passes_the_check(monkeypatch, real_8b_config, extra, config):
+    from finetune_kit.errors import DataError
+
+    with pytest.raises(DataError):  # got past the memory check to loading the data
+        start_8b_recipe(monkeypatch, real_8b_config, *extra, config=config)
