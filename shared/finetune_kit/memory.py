@@ -419,10 +419,9 @@ class Plan:
     @property
     def fits(self) -> bool | None:
         """True/False, or None when no GPU capacity is known (nothing to compare with)."""
-        checks = [h for h in (self.gpu_headroom_gib, self.cpu_headroom_gib) if h is not None]
         if self.setup.gpu_memory_gib is None:
-            return None if all(h >= 0 for h in checks) else False
-        return all(h >= 0 for h in checks)
+            return None
+        return all(h >= 0 for h in (self.gpu_headroom_gib, self.cpu_headroom_gib) if h is not None)
 
     def verdict(self) -> str:
         s = self.setup

@@ -39,6 +39,13 @@ def test_cli_qlora_sequence_classification_fits():
     assert "logits + loss" not in proc.stdout
 
 
+def test_planner_needs_neither_torch_nor_deepspeed():
+    """`make plan` runs with a bare Python: the planner imports no heavy library."""
+    code = "import sys, finetune_kit.plan; print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
 def test_cli_bad_model_is_a_clear_error():
     proc = run_plan("--model", "llama9-1t")
     assert proc.returncode != 0 and "error: model 'llama9-1t'" in proc.stderr and "llama3-8b" in proc.stderr
