@@ -3,6 +3,7 @@
 #   make test            lint, unit tests and every recipe's end-to-end session (nox)
 #   make results         regenerate results/README.md and its plot from the run records
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
+#   make plan RECIPE=llama3-8b-zero3   will it fit? memory per GPU/node for the recipe's setups
 
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +18,7 @@ RECIPE_8B := recipes/llama3-8b-zero3
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 plan memory-tables clean
 
 help:
 	@sed -n '2,5p' Makefile
@@ -56,6 +57,17 @@ recipe-8b-zero3:
 	cd $(RECIPE_8B) && set -x && accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
 	  --output "$(abspath $(OUTPUT))"
+
+# The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
+RECIPE ?= llama3-8b-zero3
+PLAN := PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.plan
+
+plan:
+	$(PLAN) --recipe recipes/$(RECIPE)
+
+# Regenerate the memory tables in recipes/*/README.md from each recipes/<name>/memory_plan.json.
+memory-tables:
+	$(PLAN) --update-readmes
 
 clean:
 	rm -rf .nox build out

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from finetune_kit import checkpoints, data, launch_checks, models, run_record
+from finetune_kit import checkpoints, data, launch_checks, memory, models, run_record
 from finetune_kit.architectures import Architecture
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--meter-warmup-steps", type=int, default=3,
                    help="first optimizer steps left out of the run record's throughput medians")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even if the memory planner predicts the run does not fit the GPUs")
     return p.parse_args(argv)
 
 
@@ -91,6 +93,9 @@ def main(argv=None) -> None:
     launch_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
                                     grad_accum=args.grad_accum, world=launch_checks.world_size(),
                                     source=str(ds_path))
+    memory_plan = memory.preflight(model_config, ds_config, world_size=launch_checks.world_size(),
+                                   micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                                   gradient_checkpointing=args.gradient_checkpointing, skip=args.skip_memory_check)
     rows = data.load_rows(args.data, args.prompt_field, args.response_field)
     resume_from = checkpoints.resolve_resume(args.resume, output)
 
@@ -215,7 +220,7 @@ def main(argv=None) -> None:
             params_trainable=shards[0]["params"]["total"], ds_config=ds_config,
             script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")},
             world=world, nodes=launch_checks.num_nodes(), meter=meter, warmup_steps=args.meter_warmup_steps,
-            peaks=peaks, where=Path(__file__).parent,
+            peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
             training={"method": "full", "seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
                       "grad_accum": args.grad_accum, "gradient_checkpointing": args.gradient_checkpointing,
                       "packing": args.pack})
@@ -228,7 +233,7 @@ def main(argv=None) -> None:
             "eval_example_ids": [i for ids in split["test"]["example_ids"] for i in ids] if split else [],
             "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
             "grad_accum": args.grad_accum, "model_dir": str(model_dir),
-            "peak_memory_rank0": peak_memory_gib(), "ranks": shards,
+            "peak_memory_rank0": peak_memory_gib(), "memory_plan": memory_plan.to_dict(), "ranks": shards,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))

@@ -75,6 +75,12 @@ def test_copied_recipe_uses_the_installed_package(recipe_copy):
     assert not Path(where).is_relative_to(REPO / "shared"), where
 
 
+def test_run_info_records_the_memory_plan(run_info):
+    plan = run_info["memory_plan"]  # no GPU here: predicted, not checked
+    assert plan["setup"]["stage"] == 3 and plan["setup"]["gpus_per_node"] * plan["setup"]["nodes"] == 2
+    assert plan["fits"] is None and plan["gpu_total_GiB"] > 0 and "not checked" in plan["verdict"]
+
+
 def test_two_ranks_train_on_different_data(run_info):
     assert run_info["world_size"] == 2
     ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}
@@ -136,6 +142,8 @@ def test_run_record_describes_the_run(run, tiny_llama3):
     per_token_min = FlopCounter(arch).per_token(8)
     assert m.model_tflop_per_s_per_device * 1e12 >= m.tokens_per_s_per_device * per_token_min * 0.99
     assert m.peak_host_rss_GiB_per_node > 0 and m.peak_gpu_allocated_GiB is None
+    plan = json.loads((run / "run_info.json").read_text())["memory_plan"]
+    assert m.predicted_gpu_GiB == pytest.approx(plan["gpu_total_GiB"], abs=1e-3)  # the planner's, beside the peaks
 
 
 def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):

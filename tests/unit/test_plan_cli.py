@@ -1,0 +1,125 @@
+"""The planner's command line and the generated README memory tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from finetune_kit import plan as plan_cli
+from tests.conftest import REPO
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune_kit.plan", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+
+
+def test_cli_full_8b_on_one_gpu_does_not_fit_and_suggests_optimizer_offload():
+    proc = run_plan("--model", "llama3-8b", "--deepspeed-config", "recipes/llama3-8b-zero3/configs/zero3.json",
+                    "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gib", "80", "--micro-batch-size", "4",
+                    "--seq-len", "2048")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "8.03 B parameters" in out and "ZeRO-3, offload: none" in out
+    assert "model states (DeepSpeed estimate)" in out and "logits + loss" in out
+    assert "total                                                164.5 of 80" in out
+    assert "verdict: does not fit: needs 164.5 GiB per GPU of 80, 84.5 GiB short" in out
+    suggestion = next(line for line in out.splitlines() if line.startswith("suggestion:"))
+    assert "optimizer offload" in suggestion and "offload_param" not in suggestion and "fits:" in suggestion
+
+
+def test_cli_qlora_sequence_classification_fits():
+    proc = run_plan("--model", "llama3.3-70b", "--qlora", "--lora-rank", "16", "--num-labels", "3",
+                    "--gpus-per-node", "1", "--gpu-memory-gib", "80", "--seq-len", "1024")
+    assert proc.returncode == 0, proc.stderr
+    assert "frozen base weights (nf4)" in proc.stdout and "verdict: fits:" in proc.stdout
+    assert "logits + loss" not in proc.stdout
+
+
+def test_planner_needs_neither_torch_nor_deepspeed():
+    """`make plan` runs with a bare Python: the planner imports no heavy library."""
+    code = "import sys, finetune_kit.plan; print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_cli_bad_model_is_a_clear_error():
+    proc = run_plan("--model", "llama9-1t")
+    assert proc.returncode != 0 and "error: model 'llama9-1t'" in proc.stderr and "llama3-8b" in proc.stderr
+
+
+def test_recipe_plan_prints_every_setup():
+    proc = run_plan("--recipe", "recipes/llama3-8b-zero3")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((REPO / "recipes/llama3-8b-zero3/memory_plan.json").read_text())
+    assert proc.stdout.count("verdict:") == len(spec["setups"])
+
+
+@pytest.mark.parametrize("recipe", plan_cli.recipes_with_plans(REPO), ids=lambda p: p.name)
+def test_committed_readme_tables_equal_the_generator(recipe):
+    assert not plan_cli.update_readme(recipe, check=True), (
+        f"{recipe / 'README.md'} memory table is out of date: run `make memory-tables` and commit it")
+
+
+def test_every_recipe_has_a_memory_plan():
+    with_plans = {p.name for p in plan_cli.recipes_with_plans(REPO)}
+    assert "llama3-8b-zero3" in with_plans
+
+
+def test_update_readmes_rewrites_only_the_marked_block(tmp_path):
+    recipe = tmp_path / "recipes" / "demo"
+    (recipe / "configs").mkdir(parents=True)
+    (recipe / "configs/z2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    (recipe / "memory_plan.json").write_text(json.dumps({
+        "model": "llama2-13b", "micro_batch": 1, "seq_len": 4096, "gradient_checkpointing": True,
+        "setups": [{"label": "8 x 80", "config": "configs/z2.json", "gpus_per_node": 8, "gpu_memory_gib": 80}]}))
+    (recipe / "README.md").write_text(f"intro\n{plan_cli.BEGIN}\nstale\n{plan_cli.END}\noutro\n")
+    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path), "--check"]) == 1
+    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path)]) == 0
+    text = (recipe / "README.md").read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
+    assert "| 8 x 80 | `configs/z2.json` | 1 x 4096 |" in text
+    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path), "--check"]) == 0
+
+
+# ---- the 8B recipe's start-up check (phase 1: no process group, data or weights) ----
+@pytest.fixture()
+def real_8b_config(tmp_path):
+    from finetune_kit.memory import KNOWN_MODELS
+
+    folder = tmp_path / "llama3-8b-config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**KNOWN_MODELS["llama3-8b"], "model_type": "llama"}))
+    return folder
+
+
+def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
+    from finetune_kit import memory
+    from tests.conftest import load_script
+
+    recipe = REPO / "recipes/llama3-8b-zero3"
+    monkeypatch.chdir(recipe)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(memory, "local_gpu_memory_gib", lambda: 80.0)  # as on one 80 GB GPU
+    train = load_script(recipe / "train.py")
+    return train.main(["--model", str(model), "--data", "missing.jsonl", *extra])
+
+
+def test_8b_recipe_refuses_a_launch_that_cannot_fit(monkeypatch, real_8b_config):
+    from finetune_kit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"does not fit.*offload_optimizer.*--skip-memory-check"):
+        start_8b_recipe(monkeypatch, real_8b_config)
+
+
+@pytest.mark.parametrize("extra,config", [(["--skip-memory-check"], "configs/zero3.json"),
+                                          ([], "configs/zero3-offload.json")], ids=["skip-flag", "offload-fits"])
+def test_8b_recipe_passes_the_check(monkeypatch, real_8b_config, extra, config):
+    from finetune_kit.errors import DataError
+
+    with pytest.raises(DataError):  # got past the memory check to loading the data
+        start_8b_recipe(monkeypatch, real_8b_config, *extra, config=config)
