@@ -33,8 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from finetune_kit import checkpoints, data, launch_checks, memory, models, run_record
-from finetune_kit.architectures import Architecture
+from finetune_kit import architectures, checkpoints, data, launch_checks, memory, models, run_record
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
@@ -153,7 +152,7 @@ def main(argv=None) -> None:
         accelerator.print(f"resumed from {resume_from} at step {state['step']}")
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
-    arch = Architecture.from_config(model_config)
+    arch = architectures.from_config(model_config)
     tally = StepTally(FlopCounter(arch))
     meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
     log = MetricsLog(output, enabled=accelerator.is_main_process)

@@ -5,7 +5,7 @@ Full fine-tuning (PaLM, Chowdhery et al. 2022, appendix B; torchtitan ``get_num_
     flops/token = 6 * N + 12 * L * H * Q * T
 
 N: parameters that multiply every token (all but the input embedding lookup: the output
-head counts, tied or not; see ``Architecture.matmul_params``), L layers, H attention heads,
+head counts, tied or not; see ``ModelShape.matmul_params``), L layers, H attention heads,
 Q head dimension, T sequence length. 6N is forward (2N) plus backward (4N: gradients with
 respect to activations and to weights); 12LHQT is the attention scores and their use
 (QK^T and AV), forward and backward, which have no weights.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune_kit.architectures import Architecture
+from finetune_kit.architectures import ModelShape
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheets, without sparsity).
 PEAK_BF16_TFLOPS = {
@@ -58,7 +58,7 @@ class FlopCounter:
     formula, where the head then counts as trainable instead of frozen.
     """
 
-    arch: Architecture
+    arch: ModelShape
     num_labels: int | None = None  # sequence classification: a num_labels x hidden head
     trainable: int | None = None
     head_trainable: bool = False
@@ -70,7 +70,7 @@ class FlopCounter:
     def per_token(self, seq_len: int) -> float:
         a = self.arch
         n = a.matmul_params(self.num_labels)
-        attention = 12 * a.layers * a.heads * a.head_dim * seq_len
+        attention = 12 * a.num_hidden_layers * a.num_attention_heads * a.dim_per_head * seq_len
         if self.trainable is None:
             return 6 * n + attention
         frozen = n - (self.arch.head_params(self.num_labels) if self.head_trainable else 0)

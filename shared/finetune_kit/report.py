@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_kit import architectures
+from finetune_kit.architectures import resolve_model
 from finetune_kit.flops import FlopCounter, mfu_percent, peak_tflops
 from finetune_kit.run_record import RunRecord
 
@@ -55,7 +55,7 @@ def published_rows(path: Path) -> tuple[list[str], list[Row]]:
     rows = []
     with path.open(newline="") as f:
         for r in csv.DictReader(f):
-            arch = architectures.get(r["architecture"])
+            arch = resolve_model(r["architecture"])
             gpus, seq_len = int(r["gpus"]), int(r["seq_len"])
             total = _num(r["tokens_per_s"])
             per_gpu = _num(r["tokens_per_s_per_gpu"])

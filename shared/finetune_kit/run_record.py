@@ -28,7 +28,7 @@ class _Strict(BaseModel):
 
 class ModelInfo(_Strict):
     name: str  # hub id or path as given
-    architecture: str  # e.g. "llama-3-8b (truncated to 8 layers)" or the config's model_type
+    architecture: str  # e.g. "llama3-8b (truncated to 8 layers)", or "llama (2 layers, hidden 64)"
     layers: int
     hidden: int
     heads: int
@@ -180,8 +180,9 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
     return RunRecord(
         recipe=recipe, label=label, date=now(), git_commit=git_commit(where),
         config_hash=config_hash(ds_config, script_args),
-        model=ModelInfo(name=model_name, architecture=arch.name, layers=arch.layers, hidden=arch.hidden,
-                        heads=arch.heads, kv_heads=arch.kv_heads, params_total=arch.total_params(num_labels),
+        model=ModelInfo(name=model_name, architecture=arch.name, layers=arch.num_hidden_layers,
+                        hidden=arch.hidden_size, heads=arch.num_attention_heads, kv_heads=arch.num_key_value_heads,
+                        params_total=arch.total_params(num_labels),
                         params_matmul=arch.matmul_params(num_labels), params_trainable=params_trainable,
                         truncated="truncated" in arch.name),
         hardware=Hardware(device=device_name(), devices=world, nodes=nodes,

@@ -123,7 +123,7 @@ def test_metrics_carry_throughput_and_memory(run):
 def test_run_record_describes_the_run(run, tiny_llama3):
     from transformers import AutoConfig
 
-    from finetune_kit.architectures import Architecture
+    from finetune_kit import architectures
     from finetune_kit.flops import FlopCounter
     from finetune_kit.run_record import RunRecord
 
@@ -131,7 +131,7 @@ def test_run_record_describes_the_run(run, tiny_llama3):
     assert rec.recipe == "llama3-8b-zero3"
     assert (rec.hardware.device, rec.hardware.devices, rec.hardware.nodes) == ("cpu", 2, 1)
     assert rec.hardware.peak_bf16_tflops_per_device is None and rec.measured.mfu_percent is None
-    arch = Architecture.from_config(AutoConfig.from_pretrained(tiny_llama3))
+    arch = architectures.from_config(AutoConfig.from_pretrained(tiny_llama3))
     assert rec.model.params_total == rec.model.params_trainable == arch.total_params()
     assert (rec.training.zero_stage, rec.training.global_batch_size, rec.training.seq_len) == (3, 16, 128)
     m = rec.measured

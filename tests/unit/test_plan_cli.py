@@ -88,7 +88,7 @@ def test_update_readmes_rewrites_only_the_marked_block(tmp_path):
 # ---- the 8B recipe's start-up check (phase 1: no process group, data or weights) ----
 @pytest.fixture()
 def real_8b_config(tmp_path):
-    from finetune_kit.memory import KNOWN_MODELS
+    from finetune_kit.architectures import KNOWN_MODELS
 
     folder = tmp_path / "llama3-8b-config-only"
     folder.mkdir()

@@ -28,7 +28,7 @@ def test_check_mode_fails_on_a_stale_page(tmp_path):
 def test_published_rows_get_per_gpu_rates_and_mfu_from_one_formula():
     lines, rows = report.published_rows(RESULTS / "published.csv")
     by_label = {r.label: r for r in rows}
-    qlora = next(r for label, r in by_label.items() if label.startswith("llama-2-70b"))
+    qlora = next(r for label, r in by_label.items() if label.startswith("llama2-70b"))
     assert qlora.tokens_per_s_per_gpu == pytest.approx(1024 * 2048 / 667 / 4)  # samples x tokens / s / GPUs
     seed_13b = next(r for label, r in by_label.items() if label.startswith("llama-13b"))
     assert seed_13b.tokens_per_s_per_gpu == 3500 / 8

@@ -5,7 +5,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from finetune_kit import architectures, run_record
+from finetune_kit import run_record
+from finetune_kit.architectures import resolve_model
 from finetune_kit.flops import FlopCounter
 from finetune_kit.throughput import ThroughputMeter
 
@@ -18,7 +19,7 @@ def a_record(monkeypatch, tmp_path, steps=5):
     meter = ThroughputMeter(num_devices=8, peak_tflops=989.0)
     for _ in range(steps):
         meter.step(tokens=16_000, padded_tokens=16_384, flops=16_000 * 48.25e9)
-    arch = architectures.get("llama-3-8b")
+    arch = resolve_model("llama3-8b")
     return run_record.for_training_run(
         recipe="llama3-8b-zero3", model_name="meta-llama/Meta-Llama-3-8B", arch=arch,
         flop_counter=FlopCounter(arch), params_trainable=arch.total_params(), ds_config=DS,

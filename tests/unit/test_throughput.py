@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from finetune_kit import throughput
-from finetune_kit.architectures import Architecture
+from finetune_kit.architectures import ModelShape
 from finetune_kit.flops import FlopCounter
 
-TINY = Architecture("tiny", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512)
+TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
 
 
 def fake_clock(monkeypatch, times):
