@@ -13,7 +13,7 @@ Prompt and response are tokenised separately, so the loss mask falls exactly on 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -197,3 +197,20 @@ class PadCollator:
         out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
         out["example_ids"] = [list(ex["example_ids"]) for ex in examples]
         return out
+
+
+@dataclass
+class RowRecorder:
+    """Wrap a collator: pop ``example_ids`` from each batch and keep them in ``seen``.
+
+    For trainers that pass the batch to the model as is (the HF Trainer): the model must
+    not see ``example_ids``, and the run record still says which rows each rank loaded.
+    """
+
+    collate: PadCollator
+    seen: list[int] = field(default_factory=list)
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        batch = self.collate(examples)
+        self.seen.extend(i for ids in batch.pop("example_ids") for i in ids)
+        return batch
