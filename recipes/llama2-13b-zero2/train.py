@@ -36,7 +36,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from finetune_kit import checkpoints, data, launch_checks, models
 from finetune_kit.distributed import optimizer_partition_report, trainer_cpu_overrides
-from finetune_kit.errors import ConfigError, UserInputError
+from finetune_kit.errors import ConfigError, DataError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
 from finetune_kit.trainer_metrics import MetricsCallback
 
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         raise ConfigError("no DeepSpeed config: pass --deepspeed configs/zero2.json (or zero2-fp16.json, "
                           "zero2-offload.json).")
     if recipe.data is None:
-        raise ConfigError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
+        raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     ds_path = trainer_kwargs["deepspeed"]
     ds_config = launch_checks.load_deepspeed_config(ds_path)
     if launch_checks.zero_stage(ds_config) != 2:
