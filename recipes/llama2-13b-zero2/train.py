@@ -95,18 +95,20 @@ def main(argv=None) -> None:
     if launch_checks.zero_stage(ds_config) != 2:
         raise ConfigError(f"{ds_path} sets ZeRO stage {launch_checks.zero_stage(ds_config)}; this recipe "
                           "is ZeRO-2. Use configs/zero2.json, zero2-fp16.json or zero2-offload.json.")
+    for key, from_json in launch_checks.precision_flags(ds_config).items():
+        if trainer_kwargs[key] is None:  # --bf16/--fp16 not given: the JSON decides
+            trainer_kwargs[key] = from_json
+    launch_checks.check_trainer_agreement(ds_config, trainer_kwargs, world=launch_checks.world_size(),
+                                          source=ds_path)
     model_config = models.load_config(recipe.model)
     models.check_seq_len(recipe.max_seq_len, model_config, recipe.model)
     rows = data.load_rows(recipe.data, recipe.prompt_field, recipe.response_field)
     resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
                                              checkpoints.TRAINER_LAYOUT)
 
-    # ---- 2. TrainingArguments: the DeepSpeed JSON and the flags must agree ----
-    for key, from_json in launch_checks.precision_flags(ds_config).items():
-        if trainer_kwargs[key] is None:
-            trainer_kwargs[key] = from_json
+    # ---- 2. TrainingArguments (fills the JSON's "auto" values); the process group starts here ----
     args = TrainingArguments(**{**trainer_kwargs, **TRAINER_FIXED, **trainer_cpu_overrides()})
-    launch_checks.check_trainer_agreement(ds_config, args, source=ds_path)
+    launch_checks.check_trainer_mismatches(args, source=ds_path)
     set_seed(args.seed)
     world = args.world_size
     if args.process_index == 0:

@@ -101,28 +101,34 @@ def precision_flags(ds_config: dict) -> dict[str, bool]:
     return {key: _lookup(ds_config, f"{key}.enabled") is True for key in ("bf16", "fp16")}
 
 
-def check_trainer_agreement(ds_config: dict, training_args, source: str = "DeepSpeed config") -> None:
-    """Raise ConfigError when a fixed value in the DeepSpeed JSON contradicts TrainingArguments.
+def check_trainer_agreement(ds_config: dict, trainer_values: dict, world: int,
+                            source: str = "DeepSpeed config") -> None:
+    """Raise ConfigError when a fixed value in the DeepSpeed JSON contradicts a TrainingArguments value.
 
     transformers fills the JSON's "auto" values from TrainingArguments and notes each
     contradiction while building them, but raises only inside ``trainer.train()``, after the
-    model is loaded, with the DeepSpeed and field names side by side. This raises first and
-    names the command-line flag. ``ds_config`` is the JSON as written (before "auto" is filled).
+    model is loaded, with the DeepSpeed and field names side by side. This runs on the
+    parsed flags (``trainer_values``: field name -> value) before anything is built, and names
+    the flag. ``ds_config`` is the JSON as written (before "auto" is filled).
     """
-    check_batch_sizes(ds_config, micro_batch_size=training_args.per_device_train_batch_size,
-                      grad_accum=training_args.gradient_accumulation_steps, world=training_args.world_size,
-                      source=source, micro_flag="--per_device_train_batch_size",
-                      accum_flag="--gradient_accumulation_steps")
-    for key, field in TRAINER_FIELDS.items():
-        fixed, given = _lookup(ds_config, key), getattr(training_args, field)
+    check_batch_sizes(ds_config, micro_batch_size=trainer_values["per_device_train_batch_size"],
+                      grad_accum=trainer_values["gradient_accumulation_steps"], world=world, source=source,
+                      micro_flag="--per_device_train_batch_size", accum_flag="--gradient_accumulation_steps")
+    for key, name in TRAINER_FIELDS.items():
+        fixed, given = _lookup(ds_config, key), trainer_values[name]
         if fixed is not None and fixed != "auto" and fixed != given:
             raise ConfigError(
-                f"{source} sets {key} = {fixed} but the Trainer was given --{field} {given}. "
-                f"Set the JSON value to \"auto\" (recommended) or pass --{field} {fixed}."
+                f"{source} sets {key} = {fixed} but the Trainer was given --{name} {given}. "
+                f"Set the JSON value to \"auto\" (recommended) or pass --{name} {fixed}."
             )
-    leftover = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", [])
-    if leftover:  # anything else transformers would refuse later
-        raise ConfigError(f"{source} contradicts the command line:\n" + "\n".join(leftover) +
+
+
+def check_trainer_mismatches(training_args, source: str = "DeepSpeed config") -> None:
+    """Raise now what transformers noted while building TrainingArguments and would raise only
+    inside ``trainer.train()`` (keys ``check_trainer_agreement`` does not name, e.g. Adam betas)."""
+    noted = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", [])
+    if noted:
+        raise ConfigError(f"{source} contradicts the command line:\n" + "\n".join(noted) +
                           "\nSet those JSON values to \"auto\" or pass the matching flags.")
 
 

@@ -5,8 +5,9 @@ package installed, as a user who copies a recipe would. Against the README comma
 model path, data path, step counts and sizes change -- plus --learning_rate: a randomly
 initialised tiny model needs a larger step than a pretrained 13B to show its loss falling.
 
-Launches: the `deepspeed` launcher (main run, resume, accumulation 1 x micro-batch 4, a bad
-config) and `torchrun` (the same run as the main one), plus the offload config.
+Launches: the `deepspeed` launcher (main run, resume, accumulation 1 x micro-batch 4, the
+offload config) and `torchrun` (the same run as the main one). Bad input is checked in-process:
+the script stops before it creates a process group.
 
 Regenerate the golden losses after an intended numerics change with
 ``UPDATE_GOLDEN=1 nox -s recipe-llama2-13b-zero2`` and say why in the commit.
@@ -196,15 +197,16 @@ def test_accumulation_4x1_matches_1x4(run, short_run):
     """Accumulating 4 micro-batches of 1 trains like 1 micro-batch of 4: the same 8 sequences per
     step, normalised over their tokens either way, so the same loss and the same gradient.
     Only bf16 rounding differs (padded batch-of-4 kernels vs unpadded ones, summation order):
-    seen here ~1e-4 on the loss and well under 1% on the gradient norm. A gradient scaled by the
-    accumulation count would be 4x off in norm; per-micro-batch means would move step 1's loss
-    by ~3e-3 (see the test above)."""
+    seen here <= 4e-5 on the loss and <= 1e-4 relative on the gradient norm, so the bounds
+    (1e-3, 5e-3 relative) leave a 25x margin for other CPUs. A gradient scaled by the accumulation count
+    would be 4x off in norm; per-micro-batch means would move step 1's loss by ~3e-3 (see the
+    test above)."""
     other = short_run("accum1", micro=4, accum=1)
     info = read_run_info(other)
     assert (info["micro_batch_size"], info["grad_accum"]) == (4, 1)
     assert losses(other)[0] == pytest.approx(losses(run)[0], abs=1e-3)  # forward only: same rows, same weights
     assert losses(other) == pytest.approx(losses(run)[:3], abs=1e-3)  # after one and two updates
-    assert grad_norms(other) == pytest.approx(grad_norms(run)[:3], rel=2e-2)
+    assert grad_norms(other) == pytest.approx(grad_norms(run)[:3], rel=5e-3)
 
 
 def test_both_launchers_give_the_same_losses(run, short_run):
@@ -280,22 +282,6 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
     assert not get_accelerator().is_fp16_supported()  # why this test stops at the parser
 
 
-def test_batch_contradiction_fails_before_training(recipe_copy, tiny_llama2, tmp_path):
-    """transformers would stop inside trainer.train(), after loading the model; the recipe stops
-    before touching data or weights, naming the flag."""
-    bad = json.loads((recipe_copy / "configs/zero2.json").read_text())
-    bad["gradient_accumulation_steps"] = 4  # the seed's value, fixed; the launch says 2
-    (recipe_copy / "configs/bad.json").write_text(json.dumps(bad))
-    proc = launch(recipe_copy, *sizes(tiny_llama2, accum=2), "--output_dir", str(tmp_path / "out"),
-                  config="configs/bad.json")
-    assert proc.returncode != 0
-    err = proc.stdout + proc.stderr
-    assert "error: configs/bad.json sets gradient_accumulation_steps = 4 but the script was given " \
-           "--gradient_accumulation_steps 2" in err
-    assert "Traceback" not in err and "Loading weights" not in err
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.fixture
 def train_main(monkeypatch):
     """The recipe's main() in-process, as a launcher would start one rank (checks before any
@@ -311,6 +297,10 @@ def train_main(monkeypatch):
     ("zero3_config", r"sets ZeRO stage 3; this recipe is ZeRO-2"),
     ("seq_len_too_long", r"--max-seq-len 8192 is above the limit .*max_position_embeddings = 512"),
     ("existing_checkpoints", r"already holds 1 checkpoint\(s\).*--resume_from_checkpoint"),
+    # transformers would stop only inside trainer.train(), after loading the model
+    ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
+                               r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
+    ("micro_batch_contradicts_json", r"sets train_micro_batch_size_per_gpu = 4 .*--per_device_train_batch_size 1"),
 ])
 def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama2, tmp_path):
     from finetune_kit.errors import UserInputError
@@ -330,6 +320,14 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, t
         args["--deepspeed"] = str(tmp_path / "z3.json")
     elif case == "seq_len_too_long":
         args["--max_seq_len"] = "8192"
+    elif case in ("accum_contradicts_json", "micro_batch_contradicts_json"):
+        cfg = json.loads((RECIPE / "configs/zero2.json").read_text())
+        cfg.update(gradient_accumulation_steps=4, train_micro_batch_size_per_gpu=4)  # the seed's fixed values
+        (tmp_path / "configs").mkdir()
+        (tmp_path / "configs/bad.json").write_text(json.dumps(cfg))
+        args["--deepspeed"] = str(tmp_path / "configs/bad.json")
+        args["--per_device_train_batch_size"] = "4" if case == "accum_contradicts_json" else "1"
+        args["--gradient_accumulation_steps"] = "2" if case == "accum_contradicts_json" else "4"
     elif case == "existing_checkpoints":
         (tmp_path / "out/checkpoint-4").mkdir(parents=True)
         (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")

@@ -86,19 +86,17 @@ def test_accelerate_yamls_point_at_shipped_json(path):
     assert "mixed_precision" not in cfg and "gradient_accumulation_steps" not in ds
 
 
-def trainer_args(**overrides):
-    """What check_trainer_agreement reads from TrainingArguments."""
-    from types import SimpleNamespace
-
-    values = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, world_size=8, max_grad_norm=1.0,
+def trainer_args(**overrides) -> dict:
+    """The parsed TrainingArguments flags check_trainer_agreement reads."""
+    values = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
                   bf16=True, fp16=False, learning_rate=2e-5, adam_epsilon=1e-8, weight_decay=0.0)
-    return SimpleNamespace(**{**values, **overrides})
+    return {**values, **overrides}
 
 
 def test_trainer_agreement_passes_auto_and_equal_values():
     cfg = {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0,
            "bf16": {"enabled": True}, "optimizer": {"params": {"lr": "auto"}}}
-    launch_checks.check_trainer_agreement(cfg, trainer_args())
+    launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8)
 
 
 @pytest.mark.parametrize("cfg, pattern", [
@@ -112,16 +110,17 @@ def test_trainer_agreement_passes_auto_and_equal_values():
 ])
 def test_trainer_contradictions_name_the_flag(cfg, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        launch_checks.check_trainer_agreement(cfg, trainer_args(), source="zero2.json")
+        launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8, source="zero2.json")
 
 
-def test_trainer_agreement_raises_what_transformers_noted():
+def test_what_transformers_noted_is_raised_early():
     from types import SimpleNamespace
 
-    args = trainer_args(hf_deepspeed_config=SimpleNamespace(mismatches=["- ds optimizer.params.betas=[0.9, 0.95] "
-                                                                         "vs hf adam_beta1+adam_beta2=[0.9, 0.999]"]))
+    noted = ["- ds optimizer.params.betas=[0.9, 0.95] vs hf adam_beta1+adam_beta2=[0.9, 0.999]"]
+    args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=noted))
     with pytest.raises(ConfigError, match=r"contradicts the command line:\n- ds optimizer.params.betas"):
-        launch_checks.check_trainer_agreement({}, args)
+        launch_checks.check_trainer_mismatches(args)
+    launch_checks.check_trainer_mismatches(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=[])))
 
 
 def test_precision_follows_the_json():
