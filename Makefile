@@ -4,6 +4,7 @@
 #   make results         regenerate results/README.md and its plot from the run records
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
 #   make plan RECIPE=llama3-8b-zero3   will it fit? memory per GPU/node for the recipe's setups
+#   make recipe-13b-zero2 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...  the real run (GPUs)
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,14 +15,15 @@ MODEL ?= meta-llama/Meta-Llama-3-8B
 DATA ?=
 OUTPUT ?= $(CURDIR)/out/llama3-8b-zero3
 RECIPE_8B := recipes/llama3-8b-zero3
+RECIPE_13B := recipes/llama2-13b-zero2
 
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 plan memory-tables clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 plan memory-tables clean
 
 help:
-	@sed -n '2,5p' Makefile
+	@sed -n '2,7p' Makefile
 
 # Only nox lives here; each nox session installs the pinned stack in its own venv.
 $(NOX): docker/requirements.txt
@@ -68,6 +70,21 @@ plan:
 # Regenerate the memory tables in recipes/*/README.md from each recipes/<name>/memory_plan.json.
 memory-tables:
 	$(PLAN) --update-readmes
+
+# Llama 2 13B, ZeRO-2, HF Trainer, launched with `deepspeed`. NUM_GPUS below 8 picks the
+# optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
+recipe-13b-zero2:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
+	  echo "make recipe-13b-zero2 needs NVIDIA GPUs and the pinned stack; none found here."; \
+	  echo "To try it on CPU: 'nox -s recipe-llama2-13b-zero2' runs this recipe on a tiny Llama 2 with 2 processes,"; \
+	  echo "and 'make demo' fine-tunes a tiny Llama 3 with the 8B recipe."; \
+	  exit 2; }
+	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
+	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
+	cd $(RECIPE_13B) && set -x && deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  --model "$(call local_or_hub,$(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL)))" \
+	  --data "$(call local_or_hub,$(DATA))" \
+	  --output_dir "$(abspath $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT)))"
 
 clean:
 	rm -rf .nox build out

@@ -17,7 +17,7 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3"]
+nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2"]
 
 ROOT = Path(__file__).parent
 
@@ -49,6 +49,13 @@ def recipe_llama3_8b_zero3(session: nox.Session) -> None:
     """The 8B recipe's own train.py and configs on a tiny Llama 3, 2 CPU processes."""
     install_stack(session)
     session.run("pytest", "tests/recipes/test_llama3_8b_zero3.py", *session.posargs)
+
+
+@nox.session(name="recipe-llama2-13b-zero2")
+def recipe_llama2_13b_zero2(session: nox.Session) -> None:
+    """The 13B recipe's own train.py and configs on a tiny Llama 2, 2 CPU processes, both launchers."""
+    install_stack(session)
+    session.run("pytest", "tests/recipes/test_llama2_13b_zero2.py", *session.posargs)
 
 
 @nox.session(default=False)

@@ -7,6 +7,9 @@ Layout under a run's output folder::
     model/                     consolidated safetensors + tokenizer, loadable with plain
                                AutoModelForCausalLM.from_pretrained
 
+Recipes driven by the Hugging Face ``Trainer`` keep its own layout instead
+(``TRAINER_LAYOUT``: ``<output_dir>/checkpoint-50/``, resumed with ``--resume_from_checkpoint``).
+
 An output folder that already holds checkpoints is never overwritten silently: the run
 must be resumed (``--resume``) or pointed at a new folder.
 """
@@ -15,55 +18,71 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = "trainer_state.json"  # the same name as the Trainer's, written last in both layouts
 PREFIX = "step_"
 
 
-def checkpoint_root(output: Path) -> Path:
-    return Path(output) / "checkpoints"
+@dataclass(frozen=True)
+class Layout:
+    """Where a recipe keeps its checkpoints and how its command line resumes them."""
+
+    subdir: str  # folder under the run's output that holds the checkpoints ("" = the output itself)
+    prefix: str  # checkpoint folder = prefix + step number
+    resume_flag: str
+
+
+RECIPE_LAYOUT = Layout("checkpoints", PREFIX, "--resume")
+TRAINER_LAYOUT = Layout("", "checkpoint-", "--resume_from_checkpoint")  # transformers.Trainer's own
+
+
+def checkpoint_root(output: Path, layout: Layout = RECIPE_LAYOUT) -> Path:
+    return Path(output) / layout.subdir
 
 
 def checkpoint_path(output: Path, step: int) -> Path:
     return checkpoint_root(output) / f"{PREFIX}{step:06d}"
 
 
-def list_checkpoints(output: Path) -> list[Path]:
+def list_checkpoints(output: Path, layout: Layout = RECIPE_LAYOUT) -> list[Path]:
     """Complete checkpoints (those with a trainer state), oldest first."""
-    root = checkpoint_root(output)
+    root = checkpoint_root(output, layout)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{PREFIX}*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [p for p in root.glob(f"{layout.prefix}*")
+             if p.name[len(layout.prefix):].isdigit() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(layout.prefix):]))
 
 
-def resolve_resume(resume: str | None, output: Path) -> Path | None:
+def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAYOUT) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run; raise on a risky start.
 
     ``resume`` is None (fresh run), ``"latest"`` (newest checkpoint under ``output``),
     or a checkpoint folder.
     """
-    existing = list_checkpoints(output)
+    existing = list_checkpoints(output, layout)
+    flag, root = layout.resume_flag, checkpoint_root(output, layout)
     if resume is None:
         if existing:
             raise ConfigError(
                 f"output folder '{output}' already holds {len(existing)} checkpoint(s) (newest: "
-                f"{existing[-1].name}). Pass --resume to continue that run, or choose a new "
-                "--output; nothing was overwritten."
+                f"{existing[-1].name}). Pass {flag} to continue that run, or choose a new "
+                "output folder; nothing was overwritten."
             )
         return None
     if resume == "latest":
         if not existing:
-            raise ConfigError(f"--resume: no checkpoint found under '{checkpoint_root(output)}'. "
-                              "Start without --resume, or pass the checkpoint folder explicitly.")
+            raise ConfigError(f"{flag}: no checkpoint found under '{root}'. "
+                              f"Start without {flag}, or pass the checkpoint folder explicitly.")
         return existing[-1]
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise ConfigError(f"--resume '{resume}' is not a complete checkpoint folder (no {STATE_FILE}). "
-                          f"Checkpoints live under '{checkpoint_root(output)}'.")
+        raise ConfigError(f"{flag} '{resume}' is not a complete checkpoint folder (no {STATE_FILE}). "
+                          f"Checkpoints live under '{root}'.")
     return path
 
 

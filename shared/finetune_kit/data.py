@@ -4,15 +4,16 @@ Sources are a local JSONL/JSON/CSV file or a Hugging Face hub dataset name, read
 ``datasets``. Each example becomes ``input_ids`` and ``labels`` where the prompt tokens
 (and padding) are -100, so only the response -- and its closing EOS -- is learnt.
 
-Formatting: the tokenizer's chat template when it has one (Llama 3 Instruct style), a
-plain ``### Instruction / ### Response`` layout otherwise. Prompt and response are
-tokenised separately, so the loss mask falls exactly on the boundary.
+Formatting (``prompt_format``): ``"auto"`` uses the tokenizer's chat template when it has
+one (Llama 3 Instruct style) and a plain ``### Instruction / ### Response`` layout
+otherwise; ``"llama2"`` is Meta's Llama 2 chat layout, ``<s>[INST] prompt [/INST] answer </s>``.
+Prompt and response are tokenised separately, so the loss mask falls exactly on the boundary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +25,11 @@ SAMPLE_INSTRUCTIONS = SAMPLE_DIR / "instructions.jsonl"
 
 IGNORE_INDEX = -100  # label value the loss skips (prompt and padding)
 PLAIN_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+# Llama 2 chat, as Meta's reference code and the Llama-2-chat tokenizers' template render one
+# turn: "[INST] {prompt} [/INST] {answer} " between BOS and EOS.
+LLAMA2_PROMPT = "[INST] {prompt} [/INST]"
+LLAMA2_RESPONSE = " {response} "
+PROMPT_FORMATS = ("auto", "llama2")
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
@@ -86,9 +92,14 @@ def check_fields(rows, prompt_field: str, response_field: str, source: str) -> N
             )
 
 
-def format_example(tokenizer, prompt: str, response: str) -> tuple[str, str]:
+def format_example(tokenizer, prompt: str, response: str, prompt_format: str = "auto") -> tuple[str, str]:
     """Split one example into (prompt text, response text) ready to tokenise."""
-    if tokenizer.chat_template:
+    if prompt_format not in PROMPT_FORMATS:
+        raise DataError(f"prompt format '{prompt_format}' is unknown; choose one of {', '.join(PROMPT_FORMATS)}.")
+    if prompt_format == "llama2":
+        prompt_text = (tokenizer.bos_token or "") + LLAMA2_PROMPT.format(prompt=prompt.strip())
+        response_text = LLAMA2_RESPONSE.format(response=response.strip())
+    elif tokenizer.chat_template:
         user = [{"role": "user", "content": prompt}]
         prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(
@@ -106,9 +117,9 @@ def format_example(tokenizer, prompt: str, response: str) -> tuple[str, str]:
     return prompt_text, response_text
 
 
-def tokenize_example(tokenizer, prompt: str, response: str, max_seq_len: int) -> dict:
+def tokenize_example(tokenizer, prompt: str, response: str, max_seq_len: int, prompt_format: str = "auto") -> dict:
     """input_ids/labels for one example, truncated to ``max_seq_len``; prompt masked."""
-    prompt_text, response_text = format_example(tokenizer, prompt, response)
+    prompt_text, response_text = format_example(tokenizer, prompt, response, prompt_format)
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
     input_ids = (prompt_ids + response_ids)[:max_seq_len]
@@ -117,7 +128,7 @@ def tokenize_example(tokenizer, prompt: str, response: str, max_seq_len: int) ->
 
 
 def tokenize_rows(rows, tokenizer, max_seq_len: int, prompt_field: str = "prompt",
-                  response_field: str = "response", source: str = "data"):
+                  response_field: str = "response", source: str = "data", prompt_format: str = "auto"):
     """Tokenise all rows and drop those with nothing to learn; raise if none are left.
 
     A row is dropped when its prompt or response is blank, or when its prompt alone
@@ -127,7 +138,7 @@ def tokenize_rows(rows, tokenizer, max_seq_len: int, prompt_field: str = "prompt
         prompt, response = row[prompt_field], row[response_field]
         if not str(prompt).strip() or not str(response).strip():
             return {"input_ids": [], "labels": [], "example_ids": [idx]}
-        return {**tokenize_example(tokenizer, str(prompt), str(response), max_seq_len),
+        return {**tokenize_example(tokenizer, str(prompt), str(response), max_seq_len, prompt_format),
                 "example_ids": [idx]}
 
     encoded = rows.map(encode, with_indices=True, remove_columns=rows.column_names,
@@ -186,3 +197,20 @@ class PadCollator:
         out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
         out["example_ids"] = [list(ex["example_ids"]) for ex in examples]
         return out
+
+
+@dataclass
+class RowRecorder:
+    """Wrap a collator: pop ``example_ids`` from each batch and keep them in ``seen``.
+
+    For trainers that pass the batch to the model as is (the HF Trainer): the model must
+    not see ``example_ids``, and the run record still says which rows each rank loaded.
+    """
+
+    collate: PadCollator
+    seen: list[int] = field(default_factory=list)
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        batch = self.collate(examples)
+        self.seen.extend(i for ids in batch.pop("example_ids") for i in ids)
+        return batch

@@ -45,8 +45,11 @@ def load_deepspeed_config(path: str | Path) -> dict:
 
 
 def check_batch_sizes(ds_config: dict, *, micro_batch_size: int, grad_accum: int, world: int,
-                      source: str = "DeepSpeed config") -> None:
-    """Raise ConfigError when fixed batch values in the JSON contradict the launch."""
+                      source: str = "DeepSpeed config", micro_flag: str = "--micro-batch-size",
+                      accum_flag: str = "--grad-accum") -> None:
+    """Raise ConfigError when fixed batch values in the JSON contradict the launch.
+
+    ``micro_flag`` / ``accum_flag`` are the script's own names for the two values."""
 
     def fixed(key):
         value = ds_config.get(key, "auto")
@@ -58,14 +61,14 @@ def check_batch_sizes(ds_config: dict, *, micro_batch_size: int, grad_accum: int
     if micro is not None and micro != micro_batch_size:
         raise ConfigError(
             f"{source} sets train_micro_batch_size_per_gpu = {micro} but the script was given "
-            f"--micro-batch-size {micro_batch_size}. Set the JSON value to \"auto\" (recommended) "
-            f"or pass --micro-batch-size {micro}."
+            f"{micro_flag} {micro_batch_size}. Set the JSON value to \"auto\" (recommended) "
+            f"or pass {micro_flag} {micro}."
         )
     if accum is not None and accum != grad_accum:
         raise ConfigError(
             f"{source} sets gradient_accumulation_steps = {accum} but the script was given "
-            f"--grad-accum {grad_accum}. Set the JSON value to \"auto\" (recommended) "
-            f"or pass --grad-accum {accum}."
+            f"{accum_flag} {grad_accum}. Set the JSON value to \"auto\" (recommended) "
+            f"or pass {accum_flag} {accum}."
         )
     expected = micro_batch_size * grad_accum * world
     if total is not None and total != expected:
@@ -75,6 +78,64 @@ def check_batch_sizes(ds_config: dict, *, micro_batch_size: int, grad_accum: int
             f"= {expected}. Set train_batch_size to \"auto\" (recommended) or to {expected}, "
             "or change the number of processes."
         )
+
+
+# DeepSpeed keys the HF Trainer fills from (or checks against) a TrainingArguments field of the
+# same name as its command-line flag.
+TRAINER_FIELDS = {
+    "gradient_clipping": "max_grad_norm",
+    "bf16.enabled": "bf16",
+    "fp16.enabled": "fp16",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+}
+
+
+def _lookup(ds_config: dict, dotted: str):
+    node = ds_config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def precision_flags(ds_config: dict) -> dict[str, bool]:
+    """``{"bf16": ..., "fp16": ...}`` as the DeepSpeed JSON sets them: the TrainingArguments
+    defaults that let the JSON alone choose the precision (an explicit flag still wins)."""
+    return {key: _lookup(ds_config, f"{key}.enabled") is True for key in ("bf16", "fp16")}
+
+
+def check_trainer_agreement(ds_config: dict, trainer_values: dict, world: int,
+                            source: str = "DeepSpeed config") -> None:
+    """Raise ConfigError when a fixed value in the DeepSpeed JSON contradicts a TrainingArguments value.
+
+    transformers fills the JSON's "auto" values from TrainingArguments and notes each
+    contradiction while building them, but raises only inside ``trainer.train()``, after the
+    model is loaded, with the DeepSpeed and field names side by side. This runs on the
+    parsed flags (``trainer_values``: field name -> value) before anything is built, and names
+    the flag. ``ds_config`` is the JSON as written (before "auto" is filled).
+    """
+    check_batch_sizes(ds_config, micro_batch_size=trainer_values["per_device_train_batch_size"],
+                      grad_accum=trainer_values["gradient_accumulation_steps"], world=world, source=source,
+                      micro_flag="--per_device_train_batch_size", accum_flag="--gradient_accumulation_steps")
+    for key, name in TRAINER_FIELDS.items():
+        fixed, given = _lookup(ds_config, key), trainer_values[name]
+        if fixed is not None and fixed != "auto" and fixed != given:
+            raise ConfigError(
+                f"{source} sets {key} = {fixed} but the Trainer was given --{name} {given}. "
+                f"Set the JSON value to \"auto\" (recommended) or pass --{name} {fixed}."
+            )
+
+
+def check_trainer_mismatches(training_args, source: str = "DeepSpeed config") -> None:
+    """Raise now what transformers noted while building TrainingArguments and would raise only
+    inside ``trainer.train()`` (keys ``check_trainer_agreement`` does not name, e.g. Adam betas)."""
+    noted = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", [])
+    if noted:
+        raise ConfigError(f"{source} contradicts the command line:\n" + "\n".join(noted) +
+                          "\nSet those JSON values to \"auto\" or pass the matching flags.")
 
 
 def zero_stage(ds_config: dict) -> int:

@@ -34,3 +34,14 @@ def test_resume_without_checkpoints(tmp_path):
         checkpoints.resolve_resume("latest", tmp_path)
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         checkpoints.resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_trainer_layout_finds_the_trainers_own_folders(tmp_path):
+    layout = checkpoints.TRAINER_LAYOUT
+    for step in (3, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-20").mkdir()  # no trainer state: an interrupted save
+    assert checkpoints.resolve_resume("latest", tmp_path, layout) == tmp_path / "checkpoint-12"
+    with pytest.raises(ConfigError, match=r"already holds 2 checkpoint.*--resume_from_checkpoint"):
+        checkpoints.resolve_resume(None, tmp_path, layout)

@@ -78,6 +78,38 @@ def test_plain_format_without_template(tok2):
     assert response_text == "Hello.</s>"
 
 
+def test_llama2_format_is_metas_inst_layout(tok2, tok3):
+    prompt_text, response_text = data.format_example(tok2, "  Hi?\n", " Hello. ", prompt_format="llama2")
+    assert prompt_text == "<s>[INST] Hi? [/INST]"
+    assert response_text == " Hello. </s>"
+    # it wins over a chat template too: the format is the recipe's choice, not the tokenizer's
+    assert data.format_example(tok3, "Hi?", "Hello.", "llama2") == (
+        "<|begin_of_text|>[INST] Hi? [/INST]", " Hello. <|end_of_text|>")
+
+
+def test_llama2_format_masks_the_instruction_and_learns_eos(tok2):
+    ex = data.tokenize_example(tok2, "What is the capital of France?", "Paris.", 128, prompt_format="llama2")
+    prompt_text, _ = data.format_example(tok2, "What is the capital of France?", "Paris.", "llama2")
+    n_prompt = len(tok2(prompt_text, add_special_tokens=False)["input_ids"])
+    assert n_prompt > 0 and ex["labels"][:n_prompt] == [data.IGNORE_INDEX] * n_prompt
+    assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:]
+    assert ex["input_ids"][0] == tok2.bos_token_id and ex["labels"][-1] == tok2.eos_token_id
+    assert tok2.decode(ex["input_ids"][:n_prompt], skip_special_tokens=True).endswith("[/INST]")
+    assert tok2.decode(ex["input_ids"][n_prompt:], skip_special_tokens=True).strip() == "Paris."
+
+
+def test_llama2_format_through_tokenize_rows(tmp_path, tok2):
+    rows = data.load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok", "response": "fine"}]))
+    kept = data.tokenize_rows(rows, tok2, max_seq_len=32, prompt_format="llama2")
+    assert kept[0]["input_ids"] == data.tokenize_example(tok2, "ok", "fine", 32, "llama2")["input_ids"]
+    assert "[INST]" in tok2.decode(kept[0]["input_ids"])
+
+
+def test_unknown_prompt_format_is_named(tok2):
+    with pytest.raises(DataError, match=r"prompt format 'llama3-chat' is unknown.*auto, llama2"):
+        data.format_example(tok2, "Hi?", "Hello.", prompt_format="llama3-chat")
+
+
 def test_truncation(tok3):
     ex = data.tokenize_example(tok3, "word " * 10, "answer " * 200, max_seq_len=40)
     assert len(ex["input_ids"]) == len(ex["labels"]) == 40

@@ -64,7 +64,8 @@ def test_shipped_deepspeed_configs_parse_in_deepspeed(path):
 
     raw = json.loads(path.read_text())
     parsed = DeepSpeedConfig(fill_auto(raw))
-    assert parsed.bfloat16_config.enabled
+    assert parsed.bfloat16_config.enabled != parsed.float16_config.enabled  # one 16-bit type (fp16: *-fp16.json)
+    assert parsed.float16_config.enabled == path.stem.endswith("-fp16")
     assert parsed.zero_config.stage == int(raw["zero_optimization"]["stage"])
     if parsed.zero_config.stage == 3:
         assert parsed.zero_config.gather_16bit_weights_on_model_save
@@ -83,3 +84,53 @@ def test_accelerate_yamls_point_at_shipped_json(path):
     assert ds["zero3_init_flag"] is True
     # accelerate refuses these next to deepspeed_config_file; the JSON owns them
     assert "mixed_precision" not in cfg and "gradient_accumulation_steps" not in ds
+
+
+def trainer_args(**overrides) -> dict:
+    """The parsed TrainingArguments flags check_trainer_agreement reads."""
+    values = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
+                  bf16=True, fp16=False, learning_rate=2e-5, adam_epsilon=1e-8, weight_decay=0.0)
+    return {**values, **overrides}
+
+
+def test_trainer_agreement_passes_auto_and_equal_values():
+    cfg = {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0,
+           "bf16": {"enabled": True}, "optimizer": {"params": {"lr": "auto"}}}
+    launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8)
+
+
+@pytest.mark.parametrize("cfg, pattern", [
+    ({"gradient_accumulation_steps": 4},
+     r"gradient_accumulation_steps = 4 but the script was given --gradient_accumulation_steps 2.*"
+     r"or pass --gradient_accumulation_steps 4"),
+    ({"train_micro_batch_size_per_gpu": 1}, r"= 1 but the script was given --per_device_train_batch_size 4"),
+    ({"train_batch_size": 32}, r"train_batch_size = 32.*4 x accumulation 2 x 8 processes = 64"),
+    ({"gradient_clipping": 0.5}, r"gradient_clipping = 0.5 but the Trainer was given --max_grad_norm 1.0"),
+    ({"bf16": {"enabled": False}}, r"bf16.enabled = False but the Trainer was given --bf16 True.*--bf16 False"),
+])
+def test_trainer_contradictions_name_the_flag(cfg, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8, source="zero2.json")
+
+
+def test_what_transformers_noted_is_raised_early():
+    from types import SimpleNamespace
+
+    noted = ["- ds optimizer.params.betas=[0.9, 0.95] vs hf adam_beta1+adam_beta2=[0.9, 0.999]"]
+    args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=noted))
+    with pytest.raises(ConfigError, match=r"contradicts the command line:\n- ds optimizer.params.betas"):
+        launch_checks.check_trainer_mismatches(args)
+    launch_checks.check_trainer_mismatches(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=[])))
+
+
+def test_precision_follows_the_json():
+    assert launch_checks.precision_flags({"bf16": {"enabled": True}}) == {"bf16": True, "fp16": False}
+    assert launch_checks.precision_flags({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == {
+        "bf16": False, "fp16": True}
+    assert launch_checks.precision_flags({"bf16": {"enabled": "auto"}}) == {"bf16": False, "fp16": False}
+
+
+def test_every_recipe_json_is_checked():
+    names = {f"{p.parent.parent.name}/{p.name}" for p in RECIPE_CONFIGS}
+    assert {"llama2-13b-zero2/zero2.json", "llama2-13b-zero2/zero2-fp16.json",
+            "llama2-13b-zero2/zero2-offload.json"} <= names

@@ -1,0 +1,336 @@
+"""The Llama 2 13B ZeRO-2 recipe end to end: its own train.py and configs, 2 CPU processes.
+
+The runs use a copy of the recipe folder outside the repository, with only the shared
+package installed, as a user who copies a recipe would. Against the README commands, only
+model path, data path, step counts and sizes change -- plus --learning_rate: a randomly
+initialised tiny model needs a larger step than a pretrained 13B to show its loss falling.
+
+Launches: the `deepspeed` launcher (main run, resume, accumulation 1 x micro-batch 4, the
+offload config) and `torchrun` (the same run as the main one). Bad input is checked in-process:
+the script stops before it creates a process group.
+
+Regenerate the golden losses after an intended numerics change with
+``UPDATE_GOLDEN=1 nox -s recipe-llama2-13b-zero2`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, SAMPLE, free_port, load_script, write_jsonl
+
+pytestmark = pytest.mark.recipe
+
+RECIPE = REPO / "recipes/llama2-13b-zero2"
+GOLDEN = REPO / "tests/golden/llama2-13b-zero2.json"
+LOSS_ATOL = 5e-3  # CPU bf16 kernels may round differently across CPU generations
+STEPS, SAVE_EVERY = 6, 3
+MAX_SEQ_LEN = 128
+
+
+def sizes(model: Path, micro: int = 1, accum: int = 4) -> list[str]:
+    """The seed's accumulation (4) at micro-batch 1: a global batch of 8 sequences on 2 ranks."""
+    return ["--model", str(model), "--data", str(SAMPLE), "--max_seq_len", str(MAX_SEQ_LEN),
+            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accum),
+            "--learning_rate", "1e-3"]
+
+
+def launch(cwd: Path, *args: str, launcher: str = "deepspeed", config: str = "configs/zero2.json", nproc: int = 2):
+    """The README's launch commands, with a free rendezvous port."""
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port]
+    else:
+        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
+    cmd += ["train.py", "--deepspeed", config, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+def check(proc, steps: int):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert f"done: {steps} steps" in proc.stdout
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(output: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(output)]
+
+
+def read_run_info(output: Path) -> dict:
+    return json.loads((output / "run_info.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def recipe_copy(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("user") / "llama2-13b-zero2"
+    shutil.copytree(RECIPE, dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def run(recipe_copy, tiny_llama2, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("runs") / "fresh"
+    check(launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
+                 "--save_steps", str(SAVE_EVERY), "--save_total_limit", "0"), STEPS)
+    return output
+
+
+@pytest.fixture(scope="module")
+def run_info(run) -> dict:
+    return read_run_info(run)
+
+
+@pytest.fixture(scope="module")
+def short_run(recipe_copy, tiny_llama2, tmp_path_factory):
+    """A 3-step run without checkpoints, varied by launcher, batch shape or config."""
+    def start(name: str, *, micro: int = 1, accum: int = 4, **launch_kwargs) -> Path:
+        output = tmp_path_factory.mktemp("runs") / name
+        check(launch(recipe_copy, *sizes(tiny_llama2, micro, accum), "--output_dir", str(output),
+                     "--max_steps", "3", "--save_strategy", "no", **launch_kwargs), 3)
+        return output
+    return start
+
+
+def test_copied_recipe_uses_the_installed_package(recipe_copy):
+    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
+                           cwd=recipe_copy, capture_output=True, text=True, check=True).stdout.strip()
+    assert not Path(where).is_relative_to(REPO / "shared"), where
+
+
+def test_two_ranks_train_on_different_data(run_info):
+    assert run_info["world_size"] == 2
+    assert sorted(r["rank"] for r in run_info["ranks"]) == [0, 1]
+    assert [r["world_size"] for r in run_info["ranks"]] == [2, 2]  # every rank saw the real world
+    ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert not (ids[0] | ids[1]) & set(run_info["eval_example_ids"])  # validation rows are held out
+
+
+def test_zero2_partitions_the_optimizer_state(run_info):
+    """Each rank holds half of the fp32 master weights and of Adam's two moments, not all."""
+    assert run_info["zero_stage"] == 2 and run_info["precision"] == "bf16"
+    reports = [r["optimizer"] for r in run_info["ranks"]]
+    total = reports[0]["params_total"]
+    for rep in reports:
+        assert 0.45 * total <= rep["fp32_master_local"] <= 0.55 * total, rep  # ZeRO pads to even shards
+        assert rep["adam_state_local"] == 2 * rep["fp32_master_local"], rep  # exp_avg + exp_avg_sq
+    assert sum(rep["fp32_master_local"] for rep in reports) >= total  # together: the whole model
+
+
+def test_loss_falls(run):
+    got = losses(run)
+    assert len(got) == STEPS
+    assert sum(got[-2:]) / 2 < got[0] - 0.1, got
+
+
+def test_losses_match_golden(run):
+    got = losses(run)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"steps": STEPS, "atol": LOSS_ATOL, "losses": got}, indent=2) + "\n")
+    assert got == pytest.approx(json.loads(GOLDEN.read_text())["losses"], abs=LOSS_ATOL)
+
+
+def first_step_examples(run_info: dict, tokenizer, per_rank: int = 4) -> list[dict]:
+    """The 8 sequences of optimizer step 1: the first 4 micro-batches of 1 on each rank."""
+    from finetune_kit import data
+
+    rows = data.load_rows(str(SAMPLE))
+    ids = [i for r in run_info["ranks"] for i in r["example_ids"][:per_rank]]
+    return [data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], MAX_SEQ_LEN, "llama2")
+            for i in ids]
+
+
+def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2):
+    from finetune_kit import models
+
+    metrics = read_metrics(run)
+    assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device",
+                               "step_time_s", "host_rss_GiB"}
+    for m in metrics:
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
+        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
+    examples = first_step_examples(run_info, models.load_tokenizer(str(tiny_llama2)))
+    assert metrics[0]["tokens"] == sum(len(ex["input_ids"]) for ex in examples)  # no padding counted
+
+
+def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_llama2):
+    """Step 1's loss (before any update) is the mean over all labelled tokens of the 8 sequences
+    of both ranks' 4 micro-batches -- not the mean of per-micro-batch means, which differs here."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune_kit import data, models
+    from finetune_kit.evaluation import token_loss_sums
+
+    tokenizer = models.load_tokenizer(str(tiny_llama2))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama2)  # bf16, as trained
+    sums, counts = [], []
+    with torch.no_grad():
+        for ex in first_step_examples(run_info, tokenizer):
+            batch = data.PadCollator(tokenizer.pad_token_id)([{**ex, "example_ids": [0]}])
+            s, c = token_loss_sums(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            sums.append(s.item())
+            counts.append(c.item())
+    token_weighted = sum(sums) / sum(counts)
+    mean_of_means = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+    assert abs(token_weighted - mean_of_means) > 1e-3  # the sample can tell the two apart
+    assert losses(run)[0] == pytest.approx(token_weighted, abs=5e-4)
+
+
+def grad_norms(output: Path) -> list[float]:
+    """Pre-clipping gradient norm per step, from the Trainer's log history."""
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return [h["grad_norm"] for h in history if "grad_norm" in h]
+
+
+def test_accumulation_4x1_matches_1x4(run, short_run):
+    """Accumulating 4 micro-batches of 1 trains like 1 micro-batch of 4: the same 8 sequences per
+    step, normalised over their tokens either way, so the same loss and the same gradient.
+    Only bf16 rounding differs (padded batch-of-4 kernels vs unpadded ones, summation order):
+    seen here <= 4e-5 on the loss and <= 1e-4 relative on the gradient norm, so the bounds
+    (1e-3, 5e-3 relative) leave a 25x margin for other CPUs. A gradient scaled by the accumulation count
+    would be 4x off in norm; per-micro-batch means would move step 1's loss by ~3e-3 (see the
+    test above)."""
+    other = short_run("accum1", micro=4, accum=1)
+    info = read_run_info(other)
+    assert (info["micro_batch_size"], info["grad_accum"]) == (4, 1)
+    assert losses(other)[0] == pytest.approx(losses(run)[0], abs=1e-3)  # forward only: same rows, same weights
+    assert losses(other) == pytest.approx(losses(run)[:3], abs=1e-3)  # after one and two updates
+    assert grad_norms(other) == pytest.approx(grad_norms(run)[:3], rel=5e-3)
+
+
+def test_both_launchers_give_the_same_losses(run, short_run):
+    other = short_run("torchrun", launcher="torchrun")
+    assert read_run_info(other)["world_size"] == 2
+    assert losses(other) == pytest.approx(losses(run)[:3], abs=1e-5)
+
+
+def test_resume_reproduces_the_later_steps(run, recipe_copy, tiny_llama2, tmp_path):
+    output = tmp_path / "resumed"
+    proc = launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
+                  "--save_steps", str(SAVE_EVERY), "--resume_from_checkpoint", str(run / f"checkpoint-{SAVE_EVERY}"))
+    check(proc, STEPS)
+    resumed = read_metrics(output)
+    assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    # same data order, optimizer, schedule and RNG: the losses of the uninterrupted run
+    assert [m["loss"] for m in resumed] == pytest.approx(losses(run)[SAVE_EVERY:], abs=1e-4)
+
+
+def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
+    """Plain transformers loads model/ (bf16 safetensors + tokenizer); its weights are the fp32
+    masters of the last DeepSpeed checkpoint rounded to bf16; it reproduces the validation loss."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune_kit import data
+    from finetune_kit.evaluation import token_loss_sums
+
+    saved = AutoModelForCausalLM.from_pretrained(run / "model")
+    tokenizer = AutoTokenizer.from_pretrained(run / "model")
+    assert saved.dtype == torch.bfloat16
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(run / f"checkpoint-{STEPS}"))
+    for name, param in saved.state_dict().items():
+        assert torch.equal(param, masters[name].to(torch.bfloat16)), name
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama2)
+    assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
+
+    rows = data.load_rows(str(SAMPLE))
+    eval_set = [{**data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], MAX_SEQ_LEN, "llama2"),
+                 "example_ids": [i]} for i in run_info["eval_example_ids"]]
+    batch = data.PadCollator(tokenizer.pad_token_id)(eval_set)
+    with torch.no_grad():
+        logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sums, counts = token_loss_sums(logits, batch["labels"])
+    assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
+
+
+def test_offload_config_trains_with_cpu_adam(run, short_run):
+    """zero2-offload.json for real: DeepSpeed's CPU Adam updates this rank's half of the fp32 masters."""
+    other = short_run("offload", config="configs/zero2-offload.json")
+    info = read_run_info(other)
+    for rank in info["ranks"]:
+        opt = rank["optimizer"]
+        assert opt["optimizer"] == "DeepSpeedCPUAdam" and opt["master_device"] == "cpu", opt
+        assert opt["fp32_master_local"] <= 0.55 * opt["params_total"]
+    got = losses(other)
+    assert got[0] == pytest.approx(losses(run)[0], abs=1e-4)  # same rows and weights before any update
+    assert got == pytest.approx(losses(run)[:3], abs=2e-2)  # another Adam kernel, the same algorithm
+
+
+def test_fp16_config_carries_the_seeds_loss_scaler():
+    """fp16 cannot run on CPU (DeepSpeed: "Type fp16 is not supported on your device"), so its
+    config is checked by DeepSpeed's parser (also in tests/unit/test_launch_checks.py)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = json.loads((RECIPE / "configs/zero2-fp16.json").read_text())
+    raw.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4, train_batch_size=16)
+    fp16 = DeepSpeedConfig(raw).float16_config
+    assert fp16.enabled and not DeepSpeedConfig(raw).bfloat16_config.enabled
+    assert (fp16.loss_scale, fp16.loss_scale_window, fp16.initial_scale_power, fp16.hysteresis,
+            fp16.min_loss_scale) == (0, 1000, 16, 2, 1)  # 0: dynamic, starting at 2**16
+    assert not get_accelerator().is_fp16_supported()  # why this test stops at the parser
+
+
+@pytest.fixture
+def train_main(monkeypatch):
+    """The recipe's main() in-process, as a launcher would start one rank (checks before any
+    process group is created)."""
+    monkeypatch.chdir(RECIPE)
+    return load_script(RECIPE / "train.py").main
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
+    ("missing_fields", r"has no field 'response'"),
+    ("no_deepspeed", r"no DeepSpeed config: pass --deepspeed configs/zero2\.json"),
+    ("zero3_config", r"sets ZeRO stage 3; this recipe is ZeRO-2"),
+    ("seq_len_too_long", r"--max-seq-len 8192 is above the limit .*max_position_embeddings = 512"),
+    ("existing_checkpoints", r"already holds 1 checkpoint\(s\).*--resume_from_checkpoint"),
+    # transformers would stop only inside trainer.train(), after loading the model
+    ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
+                               r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
+    ("micro_batch_contradicts_json", r"sets train_micro_batch_size_per_gpu = 4 .*--per_device_train_batch_size 1"),
+])
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama2, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    args = {"--deepspeed": "configs/zero2.json", "--model": str(tiny_llama2), "--data": str(SAMPLE),
+            "--max_seq_len": "128", "--output_dir": str(tmp_path / "out")}
+    if case == "missing_file":
+        args["--data"] = str(tmp_path / "absent.jsonl")
+    elif case == "missing_fields":
+        args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    elif case == "no_deepspeed":
+        del args["--deepspeed"]
+    elif case == "zero3_config":
+        cfg = json.loads((RECIPE / "configs/zero2.json").read_text())
+        cfg["zero_optimization"]["stage"] = 3
+        (tmp_path / "z3.json").write_text(json.dumps(cfg))
+        args["--deepspeed"] = str(tmp_path / "z3.json")
+    elif case == "seq_len_too_long":
+        args["--max_seq_len"] = "8192"
+    elif case in ("accum_contradicts_json", "micro_batch_contradicts_json"):
+        cfg = json.loads((RECIPE / "configs/zero2.json").read_text())
+        cfg.update(gradient_accumulation_steps=4, train_micro_batch_size_per_gpu=4)  # the seed's fixed values
+        (tmp_path / "configs").mkdir()
+        (tmp_path / "configs/bad.json").write_text(json.dumps(cfg))
+        args["--deepspeed"] = str(tmp_path / "configs/bad.json")
+        args["--per_device_train_batch_size"] = "4" if case == "accum_contradicts_json" else "1"
+        args["--gradient_accumulation_steps"] = "2" if case == "accum_contradicts_json" else "4"
+    elif case == "existing_checkpoints":
+        (tmp_path / "out/checkpoint-4").mkdir(parents=True)
+        (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
+    with pytest.raises(UserInputError, match=pattern):
+        train_main([x for kv in args.items() for x in kv])
+    assert case == "existing_checkpoints" or not (tmp_path / "out").exists()
