@@ -19,7 +19,9 @@ DeepSpeed JSON must agree with its flag, or the run stops in its first seconds.
 Data: JSONL/CSV rows (or a hub dataset) with "prompt" and "response" fields, formatted as
 "<s>[INST] prompt [/INST] response </s>". Outputs under --output_dir: checkpoint-N/ (resume with
 --resume_from_checkpoint latest), model/ (consolidated bf16 safetensors + tokenizer),
-metrics.jsonl (one line per logged step), run_info.json.
+metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s, MFU, memory), run_record.json
+(throughput medians, peak memory, hardware and library versions: what results/ collects),
+run_info.json.
 """
 
 import dataclasses
@@ -32,13 +34,15 @@ from typing import Literal
 
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
-from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
+from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from finetune_kit import checkpoints, data, launch_checks, models
+from finetune_kit import architectures, checkpoints, data, launch_checks, memory, models, run_record
 from finetune_kit.distributed import optimizer_partition_report, trainer_cpu_overrides
 from finetune_kit.errors import ConfigError, DataError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
-from finetune_kit.trainer_metrics import MetricsCallback
+from finetune_kit.flops import FlopCounter
+from finetune_kit.throughput import peak_memory_all_ranks
+from finetune_kit.trainer_metrics import MeteredTrainer
 
 
 @dataclass
@@ -52,6 +56,10 @@ class RecipeArguments:
     max_seq_len: int = field(default=2048, metadata={"help": "tokens; longer examples are truncated"})
     pack: bool = field(default=False, metadata={"help": "pack several examples per sequence"})
     eval_fraction: float = field(default=0.05, metadata={"help": "share of rows held out"})
+    skip_memory_check: bool = field(
+        default=False, metadata={"help": "launch even if the memory planner predicts the run does not fit the GPUs"})
+    meter_warmup_steps: int = field(
+        default=3, metadata={"help": "first optimizer steps left out of the run record's throughput medians"})
 
 
 # The recipe's choices; any of them can be overridden on the command line.
@@ -102,6 +110,13 @@ def main(argv=None) -> None:
                                           source=ds_path)
     model_config = models.load_config(recipe.model)
     models.check_seq_len(recipe.max_seq_len, model_config, recipe.model)
+    memory_plan = memory.preflight(
+        model_config, ds_config, world_size=launch_checks.world_size(),
+        micro_batch=trainer_kwargs["per_device_train_batch_size"], seq_len=recipe.max_seq_len,
+        gradient_checkpointing=trainer_kwargs["activation_checkpointing"], skip=recipe.skip_memory_check,
+        skip_flag="--skip_memory_check",
+        flags={"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
+               "gradient_checkpointing": "--activation_checkpointing true"})
     rows = data.load_rows(recipe.data, recipe.prompt_field, recipe.response_field)
     resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
                                              checkpoints.TRAINER_LAYOUT)
@@ -141,8 +156,9 @@ def main(argv=None) -> None:
     model.config.use_cache = False
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, data_collator=recorder,
-                      processing_class=tokenizer, callbacks=[MetricsCallback(output / "metrics.jsonl", world)])
+    arch = architectures.from_config(model_config)
+    trainer = MeteredTrainer(model=model, args=args, train_dataset=train_set, data_collator=recorder,
+                             processing_class=tokenizer, flop_counter=FlopCounter(arch), metrics_dir=output)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
 
     # ---- 6. Evaluate, save the consolidated model, write the run record ----
@@ -157,7 +173,20 @@ def main(argv=None) -> None:
     engine = trainer.model_wrapped
     ranks = gather_object([{"rank": args.process_index, "world_size": args.world_size, "example_ids": recorder.seen,
                             "optimizer": optimizer_partition_report(engine)}])
+    peaks = peak_memory_all_ranks(trainer.accelerator)
     if args.process_index == 0:
+        record = run_record.for_training_run(
+            recipe="llama2-13b-zero2", model_name=recipe.model, arch=arch, flop_counter=trainer.tally.flop_counter,
+            params_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), ds_config=ds_config,
+            script_args={**dataclasses.asdict(recipe), **{k: v for k, v in trainer_kwargs.items()
+                                                          if k not in ("output_dir", "resume_from_checkpoint")}},
+            world=world, nodes=launch_checks.num_nodes(), meter=trainer.meter, warmup_steps=recipe.meter_warmup_steps,
+            peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
+            training={"method": "full", "seq_len": recipe.max_seq_len,
+                      "micro_batch_size": args.per_device_train_batch_size,
+                      "grad_accum": args.gradient_accumulation_steps,
+                      "gradient_checkpointing": bool(args.activation_checkpointing), "packing": recipe.pack})
+        record.write(output / "run_record.json")
         run_info = {
             "recipe": "llama2-13b-zero2", "model": recipe.model, "world_size": world,
             "zero_stage": engine.zero_optimization_stage(), "deepspeed_config": ds_path,
@@ -167,13 +196,16 @@ def main(argv=None) -> None:
             "eval_example_ids": [i for ids in split["test"]["example_ids"] for i in ids] if split else [],
             "max_seq_len": recipe.max_seq_len, "micro_batch_size": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps, "model_dir": str(model_dir), "ranks": ranks,
+            "memory_plan": memory_plan.to_dict(),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
         eval_text = f"{eval_loss:.4f}" if eval_loss is not None else "n/a"
         print(f"done: {trainer.state.global_step} steps, validation loss {eval_text}, "
               f"{trainer.state.num_input_tokens_seen:,} tokens trained, model saved to {model_dir}\n"
-              f"per-step loss, tokens/s and memory: {output / 'metrics.jsonl'}")
+              f"per-step loss, tokens/s and memory: {output / 'metrics.jsonl'}; "
+              f"run record: {output / 'run_record.json'}")
+    trainer.accelerator.end_training()  # leave the process group before exit: a clean shutdown on every rank
 
 
 if __name__ == "__main__":

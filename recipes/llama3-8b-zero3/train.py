@@ -39,7 +39,7 @@ from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
 from finetune_kit.flops import FlopCounter, peak_tflops
 from finetune_kit.metrics_log import MetricsLog
-from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib
+from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib, progress_postfix
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -186,11 +186,7 @@ def main(argv=None) -> None:
                 record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg, "lr": lr,
                           **rate.as_metrics(), **peak_memory_gib()}
                 log.write(record)
-                peak = record.get("gpu_reserved_GiB", record["host_rss_GiB"])
-                mfu = f", mfu={rate.mfu_percent:.1f}%" if rate.mfu_percent is not None else ""
-                bar.set_postfix_str(f"loss={loss_avg:.4f}, lr={lr:.2e}, tok/s={rate.tokens_per_s:,.0f}, "
-                                    f"TFLOP/s/dev={rate.model_tflop_per_s_per_device:.3g}{mfu}, "
-                                    f"peak_mem={peak:.1f}GiB")
+                bar.set_postfix_str(progress_postfix(record))
             bar.update(1)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch:

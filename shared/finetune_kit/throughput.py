@@ -128,6 +128,17 @@ def peak_memory_gib() -> dict[str, float]:
     return out
 
 
+def progress_postfix(record: dict) -> str:
+    """A logged step's figures for the progress bar: loss, lr, tokens/s, TFLOP/s, MFU, peak memory."""
+    parts = [f"loss={record['loss']:.4f}", f"lr={record['lr']:.2e}", f"tok/s={record['tokens_per_s']:,.0f}"]
+    if "model_tflop_per_s_per_device" in record:
+        parts.append(f"TFLOP/s/dev={record['model_tflop_per_s_per_device']:.3g}")
+    if "mfu_percent" in record:
+        parts.append(f"mfu={record['mfu_percent']:.1f}%")
+    peak = record.get("gpu_reserved_GiB", record["host_rss_GiB"])
+    return ", ".join(parts + [f"peak_mem={peak:.1f}GiB"])
+
+
 def peak_memory_all_ranks(accelerator) -> dict[str, float | None]:
     """Run-record peaks: GPU memory as the max over ranks; host RSS summed over each node's
     ranks (what the node's RAM must hold, e.g. offloaded optimizer states), max over nodes."""

@@ -1,65 +1,70 @@
-"""Per-step tokens/s and peak memory for recipes driven by the Hugging Face ``Trainer``.
+"""The HF ``Trainer``, metered exactly like the accelerate recipes.
 
-Writes ``metrics.jsonl`` with the same names as the accelerate recipes (step, loss, lr,
-tokens, tokens_per_s, tokens_per_s_per_device, step_time_s and the ``peak_memory_gib()``
-keys), measured with the same ``ThroughputMeter``. Tokens are the Trainer's own count of
-real tokens (``include_num_input_tokens_seen="non_padding"``: attention-mask sum, gathered
-over all ranks).
+``MeteredTrainer`` feeds each micro-batch's attention mask to a :class:`StepTally` (real tokens,
+padded slots, model FLOPs by :mod:`finetune_kit.flops`); at each optimizer step the totals over
+all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and TensorBoard when
+installed) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
+padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
+mfu_percent (GPUs with a known peak), step_time_s and the ``peak_memory_gib()`` keys. The loss
+is the Trainer's: token-weighted over the whole optimizer step, all ranks.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
-from finetune_kit.throughput import ThroughputMeter, peak_memory_gib
+from finetune_kit.flops import FlopCounter, peak_tflops
+from finetune_kit.metrics_log import MetricsLog
+from finetune_kit.run_record import device_name
+from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_gib
 
 
-class MetricsCallback(TrainerCallback):
-    """Append one JSON line per logged step to ``path`` (main process only).
+class MeteredTrainer(Trainer):
+    """``Trainer(...)`` plus ``flop_counter`` and ``metrics_dir`` (where metrics.jsonl goes).
+    ``self.meter`` holds every step's rate, for the run record's medians."""
 
-    The loss is the Trainer's: token-weighted over the whole optimizer step, all ranks.
-    Also adds ``tokens_per_s`` and the peak-memory keys to the Trainer's own log line.
-    """
+    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tally = StepTally(flop_counter)
+        self.meter = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
+        self.add_callback(MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero())))
 
-    def __init__(self, path: str | Path, num_devices: int):
-        self.path = Path(path)
-        self.meter = ThroughputMeter(num_devices)
-        self._tokens_seen = 0
-        self._rate = None
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.tally.add(inputs["attention_mask"])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class MeteringCallback(TrainerCallback):
+    """Closes each optimizer step's tally (a collective: every rank runs it) and writes the
+    logged steps. Also puts tokens/s and peak memory on the Trainer's own log line."""
+
+    def __init__(self, trainer: MeteredTrainer, log: MetricsLog):
+        self.trainer = trainer
+        self.log = log
+        self.rate = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if args.include_num_input_tokens_seen != "non_padding":
-            raise ValueError("MetricsCallback needs TrainingArguments(include_num_input_tokens_seen='non_padding') "
-                             "to count real tokens.")
-        self._tokens_seen = state.num_input_tokens_seen  # non-zero after a resume
-        self.meter.reset_clock()
+        self.trainer.meter.reset_clock()
 
     def on_step_end(self, args, state, control, **kwargs):
-        tokens = int(state.num_input_tokens_seen - self._tokens_seen)
-        self._tokens_seen = state.num_input_tokens_seen
-        self._rate = self.meter.step(tokens)
+        self.rate = self.trainer.meter.step(**self.trainer.tally.reduce(self.trainer.accelerator))
 
     def on_save(self, args, state, control, **kwargs):
-        self.meter.reset_clock()  # a checkpoint write is not training time
+        self.trainer.meter.reset_clock()  # a checkpoint write is not training time
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.meter.reset_clock()
+        self.trainer.meter.reset_clock()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs or self._rate is None:
+        if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
             return
-        rate = self._rate
         record = {"step": state.global_step, "epoch": state.epoch, "loss": logs["loss"],
-                  "lr": logs.get("learning_rate"), "tokens": rate.tokens, "tokens_per_s": rate.tokens_per_s,
-                  "tokens_per_s_per_device": rate.tokens_per_s_per_device, "step_time_s": rate.step_time_s,
-                  **peak_memory_gib()}
-        logs["tokens_per_s"] = round(rate.tokens_per_s, 1)  # shown on the Trainer's log line
-        peak = record.get("gpu_allocated_GiB", record["host_rss_GiB"])
-        logs["peak_mem_GiB"] = round(peak, 2)
-        if state.is_world_process_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                  "lr": logs.get("learning_rate"), **self.rate.as_metrics(), **peak_memory_gib()}
+        logs["tokens_per_s"] = round(self.rate.tokens_per_s, 1)
+        logs["peak_mem_GiB"] = round(record.get("gpu_reserved_GiB", record["host_rss_GiB"]), 2)
+        self.log.write(record)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.close()

@@ -155,13 +155,34 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
     from finetune_kit import models
 
     metrics = read_metrics(run)
-    assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device",
-                               "step_time_s", "host_rss_GiB"}
+    assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "tokens", "padding_fraction", "tokens_per_s",
+                               "tokens_per_s_per_device", "model_tflop_per_s_per_device", "step_time_s",
+                               "host_rss_GiB"}  # no mfu_percent: a CPU has no bf16 peak
     for m in metrics:
         assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
         assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
     examples = first_step_examples(run_info, models.load_tokenizer(str(tiny_llama2)))
     assert metrics[0]["tokens"] == sum(len(ex["input_ids"]) for ex in examples)  # no padding counted
+    slots = sum(-(-len(ex["input_ids"]) // 8) * 8 for ex in examples)  # micro-batch 1, padded to a multiple of 8
+    assert metrics[0]["padding_fraction"] == pytest.approx(1 - metrics[0]["tokens"] / slots)
+
+
+def test_run_record_describes_the_run(run, run_info, tiny_llama2):
+    from transformers import AutoConfig
+
+    from finetune_kit import architectures
+    from finetune_kit.run_record import RunRecord
+
+    rec = RunRecord.read(run / "run_record.json")
+    arch = architectures.from_config(AutoConfig.from_pretrained(tiny_llama2))
+    assert rec.recipe == "llama2-13b-zero2" and rec.model.params_total == arch.total_params()
+    assert rec.model.params_trainable == arch.total_params()  # full fine-tuning
+    assert (rec.hardware.devices, rec.hardware.nodes, rec.hardware.device) == (2, 1, "cpu")
+    assert (rec.training.zero_stage, rec.training.global_batch_size, rec.training.grad_accum) == (2, 8, 4)
+    m = rec.measured
+    assert (m.steps_total, m.warmup_steps_excluded, m.steps_measured) == (STEPS, 3, STEPS - 3)
+    assert m.tokens_per_s > 0 and m.mfu_percent is None and m.model_tflop_per_s_per_device > 0
+    assert m.predicted_gpu_GiB == pytest.approx(run_info["memory_plan"]["gpu_total_GiB"], abs=1e-3)
 
 
 def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_llama2):

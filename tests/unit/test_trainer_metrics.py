@@ -1,49 +1,62 @@
+"""MeteredTrainer's callback: one metrics line per logged step, closed over all ranks' tallies."""
+
 import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from finetune_kit import distributed
-from finetune_kit.trainer_metrics import MetricsCallback
+from finetune_kit.architectures import ModelShape
+from finetune_kit.flops import FlopCounter
+from finetune_kit.metrics_log import MetricsLog
+from finetune_kit.throughput import StepTally, ThroughputMeter
+from finetune_kit.trainer_metrics import MeteringCallback
 
-ARGS = SimpleNamespace(include_num_input_tokens_seen="non_padding")
+TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
 
 
-def state(step: int, tokens_seen: int, main: bool = True):
-    return SimpleNamespace(global_step=step, epoch=step / 10, num_input_tokens_seen=tokens_seen,
-                           is_world_process_zero=main)
+def fake_trainer(monkeypatch, tmp_path, main=True):
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr("finetune_kit.throughput.time.perf_counter", lambda: next(clock))
+    trainer = SimpleNamespace(tally=StepTally(FlopCounter(TINY)), meter=ThroughputMeter(2), accelerator=None)
+    return trainer, MeteringCallback(trainer, MetricsLog(tmp_path, enabled=main))
 
 
-def test_one_line_per_logged_step_with_the_8b_names(tmp_path):
-    cb = MetricsCallback(tmp_path / "metrics.jsonl", num_devices=2)
-    cb.on_train_begin(ARGS, state(0, 500), None)  # 500 tokens seen before a resume
-    cb.on_step_end(ARGS, state(1, 800), None)
+def state(step):
+    return SimpleNamespace(global_step=step, epoch=step / 10)
+
+
+def test_one_line_per_logged_step_with_the_8b_names(monkeypatch, tmp_path):
+    trainer, cb = fake_trainer(monkeypatch, tmp_path)
+    cb.on_train_begin(None, state(0), None)
+    trainer.tally.add(torch.tensor([[1, 1, 1, 0]]))  # micro-batches of step 1 (what training_step sees)
+    trainer.tally.add(torch.tensor([[1, 1, 0, 0]]))
+    cb.on_step_end(None, state(1), None)
     logs = {"loss": 2.5, "learning_rate": 1e-4}
-    cb.on_log(ARGS, state(1, 800), None, logs=logs)
-    cb.on_step_end(ARGS, state(2, 1000), None)
-    cb.on_log(ARGS, state(2, 1000), None, logs={"train_runtime": 3.0})  # the end-of-training summary: skipped
+    cb.on_log(None, state(1), None, logs=logs)
+    trainer.tally.add(torch.tensor([[1, 1]]))
+    cb.on_step_end(None, state(2), None)
+    cb.on_log(None, state(2), None, logs={"train_runtime": 3.0})  # the end-of-training summary: skipped
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1
     rec = records[0]
-    assert {"step", "epoch", "loss", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device",
-            "step_time_s", "host_rss_GiB"} <= set(rec)
-    assert (rec["step"], rec["loss"], rec["lr"], rec["tokens"]) == (1, 2.5, 1e-4, 300)  # this step's tokens only
+    assert (rec["step"], rec["loss"], rec["lr"], rec["tokens"]) == (1, 2.5, 1e-4, 5)  # this step's real tokens
+    assert rec["padding_fraction"] == pytest.approx(3 / 8)
     assert rec["tokens_per_s_per_device"] == pytest.approx(rec["tokens_per_s"] / 2)
+    flops = 5 * FlopCounter(TINY).per_token(4)
+    assert rec["model_tflop_per_s_per_device"] == pytest.approx(flops / rec["step_time_s"] / 2 / 1e12)
     assert "tokens_per_s" in logs and "peak_mem_GiB" in logs  # shown on the Trainer's own log line
+    assert [r.tokens for r in trainer.meter.history] == [5, 2]  # every step is metered, logged or not
 
 
-def test_only_the_main_process_writes(tmp_path):
-    cb = MetricsCallback(tmp_path / "metrics.jsonl", num_devices=2)
-    cb.on_train_begin(ARGS, state(0, 0, main=False), None)
-    cb.on_step_end(ARGS, state(1, 10, main=False), None)
-    cb.on_log(ARGS, state(1, 10, main=False), None, logs={"loss": 1.0, "learning_rate": 0.1})
-    assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_refuses_to_count_padding(tmp_path):
-    cb = MetricsCallback(tmp_path / "metrics.jsonl", num_devices=1)
-    with pytest.raises(ValueError, match="non_padding"):
-        cb.on_train_begin(SimpleNamespace(include_num_input_tokens_seen="all"), state(0, 0), None)
+def test_only_the_main_process_writes(monkeypatch, tmp_path):
+    trainer, cb = fake_trainer(monkeypatch, tmp_path / "run", main=False)
+    trainer.tally.add(torch.tensor([[1]]))
+    cb.on_step_end(None, state(1), None)
+    cb.on_log(None, state(1), None, logs={"loss": 1.0, "learning_rate": 0.1})
+    assert not (tmp_path / "run").exists()
 
 
 def test_trainer_shim_does_nothing_without_a_launcher(monkeypatch):
