@@ -16,7 +16,7 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3"]
+nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama3-70b-qlora"]
 
 ROOT = Path(__file__).parent
 
@@ -48,6 +48,13 @@ def recipe_llama3_8b_zero3(session: nox.Session) -> None:
     """The 8B recipe's own train.py and configs on a tiny Llama 3, 2 CPU processes."""
     install_stack(session)
     session.run("pytest", "tests/recipes/test_llama3_8b_zero3.py", *session.posargs)
+
+
+@nox.session(name="recipe-llama3-70b-qlora")
+def recipe_llama3_70b_qlora(session: nox.Session) -> None:
+    """The 70B QLoRA recipe's own train.py and configs as a two-node job (2 launchers, 1 CPU rank each)."""
+    install_stack(session)
+    session.run("pytest", "tests/recipes/test_llama3_70b_qlora.py", *session.posargs)
 
 
 @nox.session(default=False)

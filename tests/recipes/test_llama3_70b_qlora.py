@@ -19,12 +19,17 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
 pytestmark = pytest.mark.recipe
 
@@ -192,3 +197,178 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
     straight = read_metrics(run)[SAVE_EVERY:]
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in straight], abs=1e-4)
+
+
+def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = subprocess.run(["accelerate", "launch", "--config_file", MAIN, "--num_machines", "1", "--num_processes",
+                           "1", "train.py", *sizes(tiny_llama3), "--output", str(run)],
+                          cwd=recipe_copy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "already holds 2 checkpoint(s)" in proc.stderr and "--resume" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+# ---- bad input: clear errors before any process group, data or weights ----
+
+@pytest.fixture
+def train_main(monkeypatch):
+    """The recipe's main() in-process, as accelerate launch would start it (one process)."""
+    monkeypatch.chdir(RECIPE)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
+    return load_script(RECIPE / "train.py").main
+
+
+def write_csv(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text).lstrip())
+    return str(path)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("no_rating_column", r"has no column 'rating'; its columns are \['stars', 'text'\]"),
+    ("no_text_column", r"has no column 'text'.*--rating-column/--text-column"),
+    ("rating_out_of_range", r"line 3 \(data row 2\): rating = '7' is not a star rating; expected a whole "
+                            r"number from 1 to 5"),
+    ("rating_not_a_number", r"line 2 \(data row 1\): rating = 'five'"),
+    ("quant_storage_mismatch", r"--quant-storage float32 differs from the model dtype --dtype bfloat16.*"
+                               r"Pass --quant-storage bfloat16"),
+    ("device_map_under_zero3", r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"),
+])
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama3, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "64",
+            "--output": str(tmp_path / "out")}
+    if case == "no_rating_column":
+        args["--data"] = write_csv(tmp_path / "r.csv", "stars,text\n5,great\n")
+    elif case == "no_text_column":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,review\n5,great\n")
+    elif case == "rating_out_of_range":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,text\n5,great\n7,wow\n1,bad\n")
+    elif case == "rating_not_a_number":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,text\nfive,great\n")
+    elif case == "quant_storage_mismatch":
+        args["--quant-storage"] = "float32"
+    elif case == "device_map_under_zero3":
+        args["--device-map"] = "auto"
+    with pytest.raises(UserInputError, match=pattern):
+        train_main([x for kv in args.items() for x in kv])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (("machine_rank: 1", "machine_rank: 0"), r"must have a machine_rank from 1 to 1"),
+    (("num_machines: 2", "num_machines: 3"), r"num_machines differs between the nodes: .* has 2, .* has 3"),
+    (("main_process_port: 29500", "main_process_port: 29501"), r"main_process_port differs"),
+])
+def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, pattern, recipe_copy, tmp_path):
+    """What `make recipe-70b-qlora` runs before launching: fails in well under a second."""
+    import re
+
+    worker = tmp_path / "worker.yaml"
+    worker.write_text((recipe_copy / WORKER).read_text().replace(*edit))
+    ok = subprocess.run([sys.executable, "-m", "finetune_kit.multinode", MAIN, WORKER, "--node-rank", "1"],
+                        cwd=recipe_copy, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 2 machines x 4 processes"), ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "finetune_kit.multinode", MAIN, str(worker)],
+                         cwd=recipe_copy, capture_output=True, text=True)
+    assert bad.returncode == 2 and re.search(pattern, bad.stderr), bad.stderr
+
+
+HANDSHAKE = "from finetune_kit import multinode; multinode.handshake(timeout_s=float(__import__('sys').argv[1]))"
+
+
+def test_run_time_handshake_fails_fast_when_nodes_disagree():
+    """Two ranks launched by nodes that disagree on num_machines (torch alone would form
+    the world from the main node's view and hang at exit): both fail in seconds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))  # the agent's store
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1"}
+    views = [{"RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"},
+             {"RANK": "1", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3"}]
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", HANDSHAKE, "60"], env={**base, **v}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for v in views]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert time.monotonic() - start < 30
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode != 0
+        assert "the nodes disagree on num_machines: machine_rank" in err and "has 3" in err, err[-2000:]
+    del store
+
+
+def test_run_time_handshake_names_a_missing_node():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1", "RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-c", HANDSHAKE, "3"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "rank 1 did not report within 3 s" in proc.stderr, proc.stderr[-2000:]
+    del store
+
+
+# ---- two hosts: the nodes in two network namespaces joined by a veth pair ----
+
+def netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's 'ip' command"
+    probe = f"ft-probe-{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' is not permitted here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@contextmanager
+def two_hosts():
+    """Namespaces ns0 (10.203.0.1) and ns1 (10.203.0.2) on a veth pair; always deleted."""
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = [f"ft70b-{tag}-{i}" for i in (0, 1)], [f"v{tag}{i}" for i in (0, 1)]  # interface names <= 15 chars
+    addrs = ["10.203.0.1", "10.203.0.2"]
+    try:
+        for name in ns:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]], check=True)
+        for name, iface, addr in zip(ns, dev, addrs, strict=True):
+            subprocess.run(["ip", "link", "set", iface, "netns", name], check=True)
+            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", iface], check=True)
+            subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True)
+            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield ns, dev, addrs
+    finally:
+        for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_hosts_in_network_namespaces_form_one_world(recipe_copy, tiny_llama3, tmp_path):
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    output = tmp_path / "netns"
+    with two_hosts() as (ns, dev, addrs):
+        nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", "2",
+                                 "--save-every", "100", main_ip=addrs[0],
+                                 prefixes=[("ip", "netns", "exec", name) for name in ns],
+                                 env=[{"GLOO_SOCKET_IFNAME": iface} for iface in dev])
+        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(name in leftover for name in ns)
+    assert not any(name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                   for name in ns)
+    assert_ok(nodes)
+    info = json.loads((output / "run_info.json").read_text())
+    assert info["world_size"] == 2
+    assert sorted(r["machine_rank"] for r in info["ranks"]) == [0, 1]
+    assert all(r["world_size"] == 2 for r in info["ranks"])
