@@ -2,6 +2,7 @@
 #   make demo            fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 #   make test            lint, unit tests and every recipe's end-to-end session (nox)
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
+#   make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...   2 nodes x 4 GPUs
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,15 @@ RECIPE_8B := recipes/llama3-8b-zero3
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
 
-.PHONY: help demo test lint unit recipe-8b-zero3 clean
+# Llama 3.3 70B QLoRA on 2 nodes: run the same command on both, NODE_RANK=0 on the main node.
+NODE_RANK ?= 0
+MAIN_IP ?=
+MAIN_PORT ?= 29500
+MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
+OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
+RECIPE_70B := recipes/llama3-70b-qlora
+
+.PHONY: help demo test lint unit recipe-8b-zero3 recipe-70b-qlora clean
 
 help:
 	@sed -n '2,4p' Makefile
@@ -51,6 +60,19 @@ recipe-8b-zero3:
 	cd $(RECIPE_8B) && set -x && accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
 	  --output "$(abspath $(OUTPUT))"
+
+# Checks the main/worker config pair first (seconds), then starts this node's half of the job.
+recipe-70b-qlora:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
+	  echo "make recipe-70b-qlora needs NVIDIA GPUs and the pinned stack; none found here."; exit 2; }
+	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
+	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
+	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
+	  --node-rank $(NODE_RANK)
+	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
+	cd $(RECIPE_70B) && set -x && accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
+	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
+	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))"
 
 clean:
 	rm -rf .nox build out
