@@ -6,7 +6,8 @@ second run puts the nodes in two network namespaces joined by a veth pair, as tw
 The runs use a copy of the recipe folder outside the repository. Against the README
 commands only the model (a tiny Llama 3), the data (the shipped sample), --num_processes
 (1 per node instead of 4), the main node's address and port, step counts and sizes change
--- plus --lr: a random tiny model needs a larger step than a pretrained 70B.
+-- plus --lr (a random tiny model needs a larger step than a pretrained 70B) and
+--lora-dropout 0 (so a resumed run can be compared with the uninterrupted one exactly).
 
 Regenerate the golden losses after an intended numerics change with
 ``UPDATE_GOLDEN=1 nox -s recipe-llama3-70b-qlora`` and say why in the commit.
