@@ -57,14 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_command(config: str, main_ip: str, port: int, args) -> list[str]:
+def node_command(config: str, main_ip: str, port: int, args, nproc: str = "2") -> list[str]:
     """The README's per-node command, with one process per node instead of four."""
-    return ["accelerate", "launch", "--config_file", config, "--num_processes", "2",
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", nproc,
             "--main_process_ip", main_ip, "--main_process_port", str(port), "train.py", *args]
 
 
 def launch_two_nodes(cwd: Path, *args: str, main_ip: str = "127.0.0.1", prefixes=((), ()), env=(None, None),
-                     worker_config: str = WORKER, timeout: int = 600):
+                     worker_config: str = WORKER, worker_nproc: str = "2", timeout: int = 600):
     """Start main and worker together; return both finished processes (stdout, stderr, returncode)."""
     port = free_port()
     # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: venvs sharing it
@@ -72,8 +72,9 @@ def launch_two_nodes(cwd: Path, *args: str, main_ip: str = "127.0.0.1", prefixes
     ext_dir = Path.home() / ".cache/torch_extensions" / f"venv-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"
     ext_env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ext_dir))}
     procs = []
-    for config, prefix, extra_env in zip((MAIN, worker_config), prefixes, env, strict=True):
-        cmd = [*prefix, *node_command(config, main_ip, port, args)]
+    for config, nproc, prefix, extra_env in zip((MAIN, worker_config), ("2", worker_nproc), prefixes, env,
+                                                strict=True):
+        cmd = [*prefix, *node_command(config, main_ip, port, args, nproc)]
         procs.append(subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env={**os.environ, **ext_env, **(extra_env or {})}))
     results = []
@@ -291,6 +292,21 @@ def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, patt
     bad = subprocess.run([sys.executable, "-m", "finetune_kit.multinode", MAIN, str(worker)],
                          cwd=recipe_copy, capture_output=True, text=True)
     assert bad.returncode == 2 and re.search(pattern, bad.stderr), bad.stderr
+
+
+def test_worker_with_another_num_machines_fails_in_seconds(recipe_copy, tiny_llama3, tmp_path):
+    """Both real launchers: torch would form the world from the main node's view, train,
+    then hang 5 minutes in the worker's exit barrier; the handshake stops both nodes."""
+    bad = tmp_path / "worker-3-machines.yaml"
+    bad.write_text((recipe_copy / WORKER).read_text().replace("num_machines: 2", "num_machines: 3"))
+    start = time.monotonic()
+    nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"),
+                             worker_config=str(bad), worker_nproc="3", timeout=300)  # 3 machines x 1 process
+    assert time.monotonic() - start < 120
+    for proc in nodes:
+        assert proc.returncode != 0
+        assert "error: the nodes disagree on num_machines" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
 
 
 HANDSHAKE = "from finetune_kit import multinode; multinode.handshake(timeout_s=float(__import__('sys').argv[1]))"
