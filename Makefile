@@ -5,6 +5,7 @@
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
 #   make plan RECIPE=llama3-8b-zero3   will it fit? memory per GPU/node for the recipe's setups
 #   make recipe-13b-zero2 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...  the real run (GPUs)
+#   make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...   2 nodes x 4 GPUs
 
 PYTHON ?= python3
 VENV := .venv
@@ -20,10 +21,18 @@ RECIPE_13B := recipes/llama2-13b-zero2
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 plan memory-tables clean
+# Llama 3.3 70B QLoRA on 2 nodes: run the same command on both, NODE_RANK=0 on the main node.
+NODE_RANK ?= 0
+MAIN_IP ?=
+MAIN_PORT ?= 29500
+MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
+OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
+RECIPE_70B := recipes/llama3-70b-qlora
+
+.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan memory-tables clean
 
 help:
-	@sed -n '2,7p' Makefile
+	@sed -n '2,8p' Makefile
 
 # Only nox lives here; each nox session installs the pinned stack in its own venv.
 $(NOX): docker/requirements.txt
@@ -85,6 +94,19 @@ recipe-13b-zero2:
 	  --model "$(call local_or_hub,$(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL)))" \
 	  --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT)))"
+
+# Checks the main/worker config pair first (seconds), then starts this node's half of the job.
+recipe-70b-qlora:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
+	  echo "make recipe-70b-qlora needs NVIDIA GPUs and the pinned stack; none found here."; exit 2; }
+	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
+	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
+	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
+	  --node-rank $(NODE_RANK)
+	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
+	cd $(RECIPE_70B) && set -x && accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
+	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
+	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))"
 
 clean:
 	rm -rf .nox build out

@@ -17,13 +17,16 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2"]
+nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora"]
 
 ROOT = Path(__file__).parent
 
 
 def install_stack(session: nox.Session) -> None:
     session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", external=True)
+    # DeepSpeed JIT-builds its CPU ops into ~/.cache/torch_extensions, keyed by op name only:
+    # venvs sharing it rebuild each other's builds (a minute or more each). One cache per venv.
+    session.env["TORCH_EXTENSIONS_DIR"] = str(Path(session.virtualenv.location) / "torch_extensions")
     session.install("--no-deps", "--force-reinstall", str(ROOT))
 
 
@@ -56,6 +59,13 @@ def recipe_llama2_13b_zero2(session: nox.Session) -> None:
     """The 13B recipe's own train.py and configs on a tiny Llama 2, 2 CPU processes, both launchers."""
     install_stack(session)
     session.run("pytest", "tests/recipes/test_llama2_13b_zero2.py", *session.posargs)
+
+
+@nox.session(name="recipe-llama3-70b-qlora")
+def recipe_llama3_70b_qlora(session: nox.Session) -> None:
+    """The 70B QLoRA recipe's own train.py and configs as a two-node job (2 launchers, 1 CPU rank each)."""
+    install_stack(session)
+    session.run("pytest", "tests/recipes/test_llama3_70b_qlora.py", *session.posargs)
 
 
 @nox.session(default=False)

@@ -99,9 +99,12 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
     return path
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore model, optimizer, scheduler and RNG states; return the trainer state."""
-    accelerator.load_state(str(path))
+def load_checkpoint(accelerator, path: Path, **load_kwargs) -> dict:
+    """Restore model, optimizer, scheduler and RNG states; return the trainer state.
+
+    ``load_kwargs`` go to ``accelerator.load_state`` (under DeepSpeed: ``load_checkpoint``).
+    """
+    accelerator.load_state(str(path), **load_kwargs)
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 

@@ -1,0 +1,408 @@
+"""The Llama 3.3 70B QLoRA recipe end to end, as a real two-node job on one machine.
+
+Two ``accelerate launch`` processes, one per "node", with the recipe's own main and worker
+YAMLs (machine_rank 0 and 1), rendezvous over loopback into one world of 2 CPU ranks; a
+second run puts the nodes in two network namespaces joined by a veth pair, as two hosts.
+The runs use a copy of the recipe folder outside the repository. Against the README
+commands only the model (a tiny Llama 3), the data (the shipped sample), --num_processes
+(1 per node instead of 4), the main node's address and port, step counts and sizes change
+-- plus --lr (a random tiny model needs a larger step than a pretrained 70B) and
+--lora-dropout 0 (so a resumed run can be compared with the uninterrupted one exactly).
+
+Regenerate the golden losses after an intended numerics change with
+``UPDATE_GOLDEN=1 nox -s recipe-llama3-70b-qlora`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, load_script
+
+pytestmark = pytest.mark.recipe
+
+RECIPE = REPO / "recipes/llama3-70b-qlora"
+SAMPLE = REPO / "shared/finetune_kit/sample_data/reviews.csv"
+GOLDEN = REPO / "tests/golden/llama3-70b-qlora.json"
+LOSS_ATOL = 5e-3  # CPU bf16 kernels may round differently across CPU generations
+STEPS, SAVE_EVERY = 6, 3
+MAIN, WORKER = "configs/zero3-main.yaml", "configs/zero3-worker.yaml"
+
+
+def sizes(model: Path) -> list[str]:
+    return ["--model", str(model), "--data", str(SAMPLE), "--max-seq-len", "64", "--micro-batch-size", "4",
+            "--grad-accum", "2", "--lr", "2e-3", "--lora-rank", "8",
+            # no dropout: a resumed run draws its dropout masks from another point of the RNG
+            # stream than the uninterrupted one, so only without dropout do the losses match exactly
+            "--lora-dropout", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_command(config: str, main_ip: str, port: int, args, nproc: str = "2") -> list[str]:
+    """The README's per-node command, with one process per node instead of four."""
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", nproc,
+            "--main_process_ip", main_ip, "--main_process_port", str(port), "train.py", *args]
+
+
+def launch_two_nodes(cwd: Path, *args: str, main_ip: str = "127.0.0.1", prefixes=((), ()), env=(None, None),
+                     worker_config: str = WORKER, worker_nproc: str = "2", timeout: int = 600):
+    """Start main and worker together; return both finished processes (stdout, stderr, returncode)."""
+    port = free_port()
+    # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: venvs sharing it
+    # rebuild each other's builds (a minute each). One cache per interpreter keeps them.
+    ext_dir = Path.home() / ".cache/torch_extensions" / f"venv-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"
+    ext_env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ext_dir))}
+    procs = []
+    for config, nproc, prefix, extra_env in zip((MAIN, worker_config), ("2", worker_nproc), prefixes, env,
+                                                strict=True):
+        cmd = [*prefix, *node_command(config, main_ip, port, args, nproc)]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env={**os.environ, **ext_env, **(extra_env or {})}))
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def assert_ok(nodes) -> None:
+    for name, proc in zip(("main", "worker"), nodes, strict=True):
+        assert proc.returncode == 0, f"{name} node failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recipe_copy(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("user") / "llama3-70b-qlora"
+    shutil.copytree(RECIPE, dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("runs") / "fresh"
+    nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                             "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    assert_ok(nodes)
+    assert f"done: {STEPS} steps" in nodes[0].stdout
+    return output
+
+
+@pytest.fixture(scope="module")
+def run_info(run) -> dict:
+    return json.loads((run / "run_info.json").read_text())
+
+
+def test_two_nodes_form_one_world_and_train_on_different_shards(run_info):
+    assert run_info["world_size"] == 2
+    ranks = {r["rank"]: r for r in run_info["ranks"]}
+    assert sorted(ranks) == [0, 1]
+    assert [ranks[i]["machine_rank"] for i in (0, 1)] == [0, 1]  # one rank from each node
+    assert all(r["world_size"] == 2 for r in ranks.values())  # every rank sees the whole world
+    ids = {i: set(r["example_ids"]) for i, r in ranks.items()}
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert not (ids[0] | ids[1]) & set(run_info["eval_example_ids"])  # validation reviews are held out
+
+
+def test_base_is_4bit_and_only_lora_and_head_train(run_info):
+    classes = run_info["parameter_classes"]
+    assert classes["linear4bit_modules"] == 2 * 7  # every linear layer of the 2 decoder blocks
+    assert classes["quantized_frozen"] > 0 and classes["other_trainable"] == 0
+    assert classes["lora_trainable"] > 0
+    assert classes["head_trainable"] == 64 * 2  # score: hidden 64 -> 2 labels, trained in full
+
+
+def test_zero3_partitions_parameters(run_info):
+    assert run_info["zero_stage"] == 3
+    for rank in run_info["ranks"]:
+        params = rank["params"]
+        assert params["partitioned_params"] > 0
+        assert params["local"] < 0.6 * params["total"], params  # about half of every tensor per rank
+
+
+def test_loss_falls_and_matches_golden(run):
+    losses = [m["loss"] for m in read_metrics(run)]
+    assert len(losses) == STEPS
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.03, losses
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps({"steps": STEPS, "atol": LOSS_ATOL, "losses": losses}, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert losses == pytest.approx(golden, abs=LOSS_ATOL)
+
+
+def test_metrics_carry_throughput_and_memory(run):
+    for m in read_metrics(run):
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
+        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
+
+
+def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_llama3):
+    """Plain PEFT loads the adapter onto a freshly quantised base in this process; its
+    tensors are whole (not ZeRO-3's empty placeholders) and it scores the validation
+    reviews as the run did."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from finetune_kit import models, qlora, reviews
+
+    tensors = load_file(run / "adapter/adapter_model.safetensors")
+    assert any("lora_A" in k for k in tensors) and any("score" in k for k in tensors)
+    assert all(t.numel() > 0 for t in tensors.values()), {k: t.shape for k, t in tensors.items()}
+
+    tokenizer = models.load_tokenizer(str(run / "adapter"))
+    base = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    model = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
+    qlora.keep_cpu_weights_unpacked(model)  # the numerics path the run used on CPU
+
+    rows, _ = reviews.load_reviews([str(SAMPLE)])
+    wanted = set(run_info["eval_example_ids"])
+    eval_rows = rows.filter(lambda r: r["example_id"] in wanted)
+    batch = reviews.ReviewCollator(tokenizer.pad_token_id)(list(reviews.tokenize(eval_rows, tokenizer, 64)))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits, batch["labels"]).item()
+    accuracy = (logits.argmax(-1) == batch["labels"]).float().mean().item()
+    assert len(eval_rows) == len(wanted) == run_info["evals"][-1]["eval_reviews"]
+    assert loss == pytest.approx(run_info["eval_loss"], abs=2e-3)
+    assert accuracy == pytest.approx(run_info["eval_accuracy"], abs=1.01 / len(wanted))  # at most one review flips
+    untrained = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    assert not torch.equal(untrained.score.weight, model.base_model.model.score.modules_to_save["default"].weight)
+
+
+def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path):
+    output = tmp_path / "resumed"
+    nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                             "--save-every", str(SAVE_EVERY),
+                             "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), "--merge")
+    assert_ok(nodes)
+    assert f"at step {SAVE_EVERY}" in nodes[0].stdout
+    resumed = read_metrics(output)
+    assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
+    straight = read_metrics(run)[SAVE_EVERY:]
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in straight], abs=1e-4)
+
+    # --merge: plain transformers loads merged/, whose head is the trained one
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    merged = AutoModelForSequenceClassification.from_pretrained(output / "merged")
+    head = next(t for k, t in load_file(output / "adapter/adapter_model.safetensors").items() if "score" in k)
+    assert torch.equal(merged.score.weight, head.to(merged.score.weight.dtype))
+    assert merged.config.pad_token_id is not None
+
+
+def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = subprocess.run(["accelerate", "launch", "--config_file", MAIN, "--num_machines", "1", "--num_processes",
+                           "1", "train.py", *sizes(tiny_llama3), "--output", str(run)],
+                          cwd=recipe_copy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "already holds 2 checkpoint(s)" in proc.stderr and "--resume" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+# ---- bad input: clear errors before any process group, data or weights ----
+
+@pytest.fixture
+def train_main(monkeypatch):
+    """The recipe's main() in-process, as accelerate launch would start it (one process)."""
+    monkeypatch.chdir(RECIPE)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
+    return load_script(RECIPE / "train.py").main
+
+
+def write_csv(path: Path, text: str) -> str:
+    path.write_text(textwrap.dedent(text).lstrip())
+    return str(path)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("no_rating_column", r"has no column 'rating'; its columns are \['stars', 'text'\]"),
+    ("no_text_column", r"has no column 'text'.*--rating-column/--text-column"),
+    ("rating_out_of_range", r"line 3 \(data row 2\): rating = '7' is not a star rating; expected a whole "
+                            r"number from 1 to 5"),
+    ("rating_not_a_number", r"line 2 \(data row 1\): rating = 'five'"),
+    ("quant_storage_mismatch", r"--quant-storage float32 differs from the model dtype --dtype bfloat16.*"
+                               r"Pass --quant-storage bfloat16"),
+    ("device_map_under_zero3", r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"),
+])
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama3, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "64",
+            "--output": str(tmp_path / "out")}
+    if case == "no_rating_column":
+        args["--data"] = write_csv(tmp_path / "r.csv", "stars,text\n5,great\n")
+    elif case == "no_text_column":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,review\n5,great\n")
+    elif case == "rating_out_of_range":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,text\n5,great\n7,wow\n1,bad\n")
+    elif case == "rating_not_a_number":
+        args["--data"] = write_csv(tmp_path / "r.csv", "rating,text\nfive,great\n")
+    elif case == "quant_storage_mismatch":
+        args["--quant-storage"] = "float32"
+    elif case == "device_map_under_zero3":
+        args["--device-map"] = "auto"
+    with pytest.raises(UserInputError, match=pattern):
+        train_main([x for kv in args.items() for x in kv])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (("machine_rank: 1", "machine_rank: 0"), r"must have a machine_rank from 1 to 1"),
+    (("num_machines: 2", "num_machines: 3"), r"num_machines differs between the nodes: .* has 2, .* has 3"),
+    (("main_process_port: 29500", "main_process_port: 29501"), r"main_process_port differs"),
+])
+def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, pattern, recipe_copy, tmp_path):
+    """What `make recipe-70b-qlora` runs before launching: fails in well under a second."""
+    import re
+
+    worker = tmp_path / "worker.yaml"
+    worker.write_text((recipe_copy / WORKER).read_text().replace(*edit))
+    ok = subprocess.run([sys.executable, "-m", "finetune_kit.multinode", MAIN, WORKER, "--node-rank", "1"],
+                        cwd=recipe_copy, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 2 machines x 4 processes"), ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "finetune_kit.multinode", MAIN, str(worker)],
+                         cwd=recipe_copy, capture_output=True, text=True)
+    assert bad.returncode == 2 and re.search(pattern, bad.stderr), bad.stderr
+
+
+def test_worker_with_another_num_machines_fails_in_seconds(recipe_copy, tiny_llama3, tmp_path):
+    """Both real launchers: torch would form the world from the main node's view, train,
+    then hang 5 minutes in the worker's exit barrier; the handshake stops both nodes."""
+    bad = tmp_path / "worker-3-machines.yaml"
+    bad.write_text((recipe_copy / WORKER).read_text().replace("num_machines: 2", "num_machines: 3"))
+    start = time.monotonic()
+    nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"),
+                             worker_config=str(bad), worker_nproc="3", timeout=300)  # 3 machines x 1 process
+    assert time.monotonic() - start < 120
+    for proc in nodes:
+        assert proc.returncode != 0
+        assert "error: the nodes disagree on num_machines" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+HANDSHAKE = "from finetune_kit import multinode; multinode.handshake(timeout_s=float(__import__('sys').argv[1]))"
+
+
+def test_run_time_handshake_fails_fast_when_nodes_disagree():
+    """Two ranks launched by nodes that disagree on num_machines (torch alone would form
+    the world from the main node's view and hang at exit): both fail in seconds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))  # the agent's store
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1"}
+    views = [{"RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"},
+             {"RANK": "1", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "3"}]
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", HANDSHAKE, "60"], env={**base, **v}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for v in views]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert time.monotonic() - start < 30
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode != 0
+        assert "the nodes disagree on num_machines: machine_rank" in err and "has 3" in err, err[-2000:]
+    del store
+
+
+def test_run_time_handshake_names_a_missing_node():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1", "RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-c", HANDSHAKE, "3"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "rank 1 did not report within 3 s" in proc.stderr, proc.stderr[-2000:]
+    del store
+
+
+# ---- two hosts: the nodes in two network namespaces joined by a veth pair ----
+
+def netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's 'ip' command"
+    probe = f"ft-probe-{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' is not permitted here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@contextmanager
+def two_hosts():
+    """Namespaces ns0 (10.203.0.1) and ns1 (10.203.0.2) on a veth pair; always deleted."""
+    tag = uuid.uuid4().hex[:6]
+    ns, dev = [f"ft70b-{tag}-{i}" for i in (0, 1)], [f"v{tag}{i}" for i in (0, 1)]  # interface names <= 15 chars
+    addrs = ["10.203.0.1", "10.203.0.2"]
+    try:
+        for name in ns:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]], check=True)
+        for name, iface, addr in zip(ns, dev, addrs, strict=True):
+            subprocess.run(["ip", "link", "set", iface, "netns", name], check=True)
+            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", iface], check=True)
+            subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True)
+            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield ns, dev, addrs
+    finally:
+        for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_hosts_in_network_namespaces_form_one_world(recipe_copy, tiny_llama3, tmp_path):
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    output = tmp_path / "netns"
+    with two_hosts() as (ns, dev, addrs):
+        nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", "2",
+                                 "--save-every", "100", main_ip=addrs[0],
+                                 prefixes=[("ip", "netns", "exec", name) for name in ns],
+                                 env=[{"GLOO_SOCKET_IFNAME": iface} for iface in dev])
+        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(name in leftover for name in ns)
+    assert not any(name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                   for name in ns)
+    assert_ok(nodes)
+    info = json.loads((output / "run_info.json").read_text())
+    assert info["world_size"] == 2
+    assert sorted(r["machine_rank"] for r in info["ranks"]) == [0, 1]
+    assert all(r["world_size"] == 2 for r in info["ranks"])
