@@ -15,7 +15,9 @@ Launch from this folder on both nodes at the same time (shared model/data paths,
 Data: CSV files with a star ``rating`` (1-5) and the review ``text``; 1-2 stars -> negative,
 4-5 -> positive, 3 -> dropped (see finetune_kit.reviews). Outputs under --output:
 checkpoints/step_N/ (resume with --resume), adapter/ (LoRA + head, for PeftModel.from_pretrained),
-merged/ (with --merge), metrics.jsonl (one line per logged step), run_info.json.
+merged/ (with --merge), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s, MFU,
+memory), run_record.json (throughput medians, peak memory next to the planner's prediction,
+hardware and library versions: what results/ collects), run_info.json.
 """
 
 from __future__ import annotations
@@ -33,10 +35,22 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from finetune_kit import checkpoints, launch_checks, models, multinode, qlora, reviews
+from finetune_kit import (
+    architectures,
+    checkpoints,
+    launch_checks,
+    memory,
+    models,
+    multinode,
+    qlora,
+    reviews,
+    run_record,
+)
 from finetune_kit.distributed import make_accelerator, on_cpu_only, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
-from finetune_kit.throughput import ThroughputMeter, peak_memory_gib
+from finetune_kit.flops import FlopCounter, peak_tflops
+from finetune_kit.metrics_log import MetricsLog
+from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib, progress_postfix
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,7 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write merged/: base + adapter in --dtype (rank 0, ~2 bytes/param of host RAM)")
     p.add_argument("--rendezvous-timeout", type=float, default=300,
                    help="seconds to wait for the other node's ranks before failing")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even if the memory planner predicts the run does not fit the GPUs")
     p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
+    p.add_argument("--meter-warmup-steps", type=int, default=3,
+                   help="first optimizer steps left out of the run record's throughput medians")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -99,9 +117,14 @@ def main(argv=None) -> None:
     launch_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
                                     grad_accum=args.grad_accum, world=launch_checks.world_size(),
                                     source=str(ds_path))
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    memory_plan = memory.preflight(
+        model_config, ds_config, world_size=launch_checks.world_size(), micro_batch=args.micro_batch_size,
+        seq_len=args.max_seq_len, gradient_checkpointing=args.gradient_checkpointing, num_labels=len(reviews.LABELS),
+        adapter=memory.Adapter(rank=args.lora_rank, targets=targets if targets == "all-linear" else tuple(targets)),
+        skip=args.skip_memory_check)
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
     resume_from = checkpoints.resolve_resume(args.resume, output)
-    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
 
     # ---- 2. Distributed setup: the nodes agree on the job's shape, then the YAML + JSON drive everything ----
     launch = multinode.handshake(args.rendezvous_timeout)
@@ -161,17 +184,18 @@ def main(argv=None) -> None:
         state = checkpoints.load_checkpoint(accelerator, resume_from, load_module_strict=False)
         accelerator.print(f"resumed from {resume_from} at step {state['step']}")
 
-    # ---- 6. Train; validation loss and accuracy after each epoch ----
-    meter = ThroughputMeter(num_devices=world)
-    metrics_file = output / "metrics.jsonl"
-    if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+    # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
+    arch = architectures.from_config(model_config)
+    n_trainable = param_classes["lora_trainable"] + param_classes["head_trainable"]
+    tally = StepTally(FlopCounter(arch, num_labels=len(reviews.LABELS), trainable=n_trainable, head_trainable=True))
+    meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
+    log = MetricsLog(output, enabled=accelerator.is_main_process)
     seen_ids: list[int] = []  # reviews this rank trained on, for the run record
     evals: list[dict] = []
     bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
                disable=not accelerator.is_local_main_process)
     model.train()
-    step_loss, step_tokens = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    step_loss = torch.zeros(())
     while state["step"] < total_steps:
         train_dl.set_epoch(state["epoch"])
         batches = accelerator.skip_first_batches(train_dl, state["batch_in_epoch"])
@@ -185,27 +209,19 @@ def main(argv=None) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             step_loss += loss.detach().float().cpu() / args.grad_accum
-            step_tokens += batch["attention_mask"].sum().cpu()
+            tally.add(batch["attention_mask"])
             state["batch_in_epoch"] += 1
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
             loss_avg = accelerator.reduce(step_loss.to(accelerator.device), "mean").item()
-            tokens = int(accelerator.reduce(step_tokens.to(accelerator.device), "sum").item())
-            step_loss.zero_(), step_tokens.zero_()
-            rate = meter.step(tokens)
+            step_loss.zero_()
+            rate = meter.step(**tally.reduce(accelerator))
             if state["step"] % args.log_every == 0 or state["step"] == total_steps:
-                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg,
-                          "lr": lr, "tokens": tokens,
-                          "tokens_per_s": rate.tokens_per_s,
-                          "tokens_per_s_per_device": rate.tokens_per_s_per_device,
-                          "step_time_s": rate.step_time_s, **peak_memory_gib()}
-                if accelerator.is_main_process:
-                    with metrics_file.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-                peak = record.get("gpu_allocated_GiB", record["host_rss_GiB"])
-                bar.set_postfix(loss=f"{loss_avg:.4f}", lr=f"{lr:.2e}",
-                                tok_s=f"{rate.tokens_per_s:,.0f}", peak_mem=f"{peak:.1f}GiB")
+                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg, "lr": lr,
+                          **rate.as_metrics(), **peak_memory_gib()}
+                log.write(record)
+                bar.set_postfix_str(progress_postfix(record))
             bar.update(1)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch or state["step"] == total_steps:
@@ -225,13 +241,24 @@ def main(argv=None) -> None:
             if done_epoch or state["step"] >= total_steps:
                 break
     bar.close()
+    log.close()
 
     # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
     adapter_dir = qlora.save_adapter(accelerator, model, tokenizer, output / "adapter")
     shards = gather_object([{"rank": accelerator.process_index, "machine_rank": launch["machine_rank"],
                              "world_size": accelerator.num_processes, "example_ids": seen_ids,
                              "params": partition_report(model)}])
+    peaks = peak_memory_all_ranks(accelerator)
     if accelerator.is_main_process:
+        record = run_record.for_training_run(
+            recipe="llama3-70b-qlora", model_name=args.model, arch=arch, flop_counter=tally.flop_counter,
+            params_trainable=n_trainable, ds_config=ds_config,
+            script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")},
+            world=world, nodes=launch["num_machines"], meter=meter, warmup_steps=args.meter_warmup_steps,
+            peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
+            training={"method": "qlora", "seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
+                      "grad_accum": args.grad_accum, "gradient_checkpointing": args.gradient_checkpointing})
+        record.write(output / "run_record.json")
         final = evals[-1] if evals else {}
         run_info = {
             "recipe": "llama3-70b-qlora", "model": args.model, "world_size": world,
@@ -243,14 +270,14 @@ def main(argv=None) -> None:
             "grad_accum": args.grad_accum, "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha,
                                                     "dropout": args.lora_dropout, "targets": args.lora_targets},
             "parameter_classes": param_classes, "adapter_dir": str(adapter_dir),
-            "peak_memory_rank0": peak_memory_gib(), "ranks": shards,
+            "peak_memory_rank0": peak_memory_gib(), "memory_plan": memory_plan.to_dict(), "ranks": shards,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
         print(f"done: {state['step']} steps, validation loss {final.get('eval_loss', float('nan')):.4f}, "
               f"accuracy {final.get('eval_accuracy', float('nan')):.3f}, "
               f"{meter.total_tokens:,} tokens trained in this session, adapter saved to {adapter_dir}\n"
-              f"per-step loss, tokens/s and memory: {metrics_file}")
+              f"per-step loss, tokens/s and memory: {log.path}; run record: {output / 'run_record.json'}")
     accelerator.end_training()
 
     # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----

@@ -119,11 +119,14 @@ def recipe_table(recipe_dir: Path) -> str:
                      gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
                      f"**{gib(p.gpu_bytes)}** of {s.gpu_memory_gib:g}", cpu, verdict])
     shape = plans[0][1].model
+    if plans[0][1].setup.adapter:
+        states = "the frozen base (nf4 with its quantisation constants, or bf16), LoRA weights with full Adam states"
+    else:
+        states = "model states as DeepSpeed's own estimators count them (full fine-tuning)"
     note = (f"Predicted by `python -m finetune_kit.plan --recipe recipes/{recipe_dir.name}` "
-            f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: model states as "
-            "DeepSpeed's own estimators count them (full fine-tuning), activations with the loss's logits, and "
-            "CUDA context + allocator overhead; host RAM per node includes DeepSpeed's 1.5x margin. "
-            "Formulas and assumptions: `shared/finetune_kit/memory.py`.")
+            f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
+            "activations with the loss's logits, and CUDA context + allocator overhead; host RAM per node "
+            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/memory.py`.")
     header = ["setup", "DeepSpeed config", "micro-batch x tokens", "checkpointing", "model states",
               "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
     return note + "\n\n" + markdown_table(header, rows)

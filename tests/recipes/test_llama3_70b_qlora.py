@@ -161,6 +161,35 @@ def test_metrics_carry_throughput_and_memory(run):
     for m in read_metrics(run):
         assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
         assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
+        assert 0 <= m["padding_fraction"] < 1 and m["model_tflop_per_s_per_device"] > 0
+        assert "mfu_percent" not in m  # a CPU has no bf16 peak to compare with
+
+
+def test_run_record_counts_frozen_base_flops(run, run_info, tiny_llama3):
+    """The record's TFLOP/s follow the frozen-base formula: 4N for the 4-bit base, 6N for LoRA
+    and the head, with the 2-label head in place of the LM head."""
+    from transformers import AutoConfig
+
+    from finetune_kit import architectures
+    from finetune_kit.flops import FlopCounter
+    from finetune_kit.run_record import RunRecord
+
+    rec = RunRecord.read(run / "run_record.json")
+    classes = run_info["parameter_classes"]
+    trainable = classes["lora_trainable"] + classes["head_trainable"]
+    assert (rec.recipe, rec.training.method, rec.model.params_trainable) == ("llama3-70b-qlora", "qlora", trainable)
+    assert (rec.hardware.devices, rec.hardware.nodes, rec.training.zero_stage) == (2, 2, 3)
+    assert rec.measured.flops_formula.startswith("frozen base")
+    arch = architectures.from_config(AutoConfig.from_pretrained(tiny_llama3))
+    assert rec.model.params_matmul == arch.matmul_params(num_labels=2)
+    counter = FlopCounter(arch, num_labels=2, trainable=trainable, head_trainable=True)
+    full = FlopCounter(arch, num_labels=2)
+    steady = read_metrics(run)[rec.measured.warmup_steps_excluded:]
+    ratio = [m["model_tflop_per_s_per_device"] * 1e12 / m["tokens_per_s_per_device"] for m in steady]
+    # FLOPs per real token lie between the formula at the shortest and the longest padded length
+    assert all(counter.per_token(8) * 0.999 <= r <= counter.per_token(run_info["max_seq_len"]) * 1.001 for r in ratio)
+    assert counter.per_token(64) < full.per_token(64)
+    assert rec.measured.predicted_gpu_GiB == pytest.approx(run_info["memory_plan"]["gpu_total_GiB"], abs=1e-3)
 
 
 def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_llama3):
