@@ -4,6 +4,7 @@
 #   make results         regenerate results/README.md and its plot from the run records
 #   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
 #   make plan RECIPE=llama3-8b-zero3   will it fit? memory per GPU/node for the recipe's setups
+#   make image RECIPE=llama3-8b-zero3  the recipe's container image (on the common base image)
 #   make recipe-13b-zero2 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...  the real run (GPUs)
 #   make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...   2 nodes x 4 GPUs
 
@@ -29,10 +30,10 @@ MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan memory-tables clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan memory-tables image clean
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,9p' Makefile
 
 # Only nox lives here; each nox session installs the pinned stack in its own venv.
 $(NOX): docker/requirements.txt
@@ -79,6 +80,13 @@ plan:
 # Regenerate the memory tables in recipes/*/README.md from each recipes/<name>/memory_plan.json.
 memory-tables:
 	$(PLAN) --update-readmes
+
+# Container image of a recipe: the common base (docker/Dockerfile: CUDA, the pinned stack, the
+# shared package), then the recipe folder on top (recipes/<name>/Dockerfile).
+BASE_IMAGE := finetune-kit-base:0.1.0
+image:
+	docker build -f docker/Dockerfile -t $(BASE_IMAGE) .
+	docker build -f recipes/$(RECIPE)/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(RECIPE) .
 
 # Llama 2 13B, ZeRO-2, HF Trainer, launched with `deepspeed`. NUM_GPUS below 8 picks the
 # optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
