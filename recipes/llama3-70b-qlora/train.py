@@ -29,10 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, gather_object, set_seed
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from finetune_kit import (
@@ -48,9 +46,9 @@ from finetune_kit import (
 )
 from finetune_kit.distributed import make_accelerator, on_cpu_only, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
-from finetune_kit.flops import FlopCounter, peak_tflops
-from finetune_kit.metrics_log import MetricsLog
-from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib, progress_postfix
+from finetune_kit.flops import FlopCounter
+from finetune_kit.step_report import StepReport
+from finetune_kit.throughput import peak_memory_all_ranks, peak_memory_gib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -187,15 +185,12 @@ def main(argv=None) -> None:
     # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
     arch = architectures.from_config(model_config)
     n_trainable = param_classes["lora_trainable"] + param_classes["head_trainable"]
-    tally = StepTally(FlopCounter(arch, num_labels=len(reviews.LABELS), trainable=n_trainable, head_trainable=True))
-    meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
-    log = MetricsLog(output, enabled=accelerator.is_main_process)
+    flop_counter = FlopCounter(arch, num_labels=len(reviews.LABELS), trainable=n_trainable, head_trainable=True)
+    report = StepReport(accelerator, flop_counter, output, total_steps=total_steps, initial_step=state["step"],
+                        grad_accum=args.grad_accum, log_every=args.log_every)
     seen_ids: list[int] = []  # reviews this rank trained on, for the run record
     evals: list[dict] = []
-    bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
-               disable=not accelerator.is_local_main_process)
     model.train()
-    step_loss = torch.zeros(())
     while state["step"] < total_steps:
         train_dl.set_epoch(state["epoch"])
         batches = accelerator.skip_first_batches(train_dl, state["batch_in_epoch"])
@@ -208,21 +203,12 @@ def main(argv=None) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            step_loss += loss.detach().float().cpu() / args.grad_accum
-            tally.add(batch["attention_mask"])
+            report.micro_batch(loss, batch["attention_mask"])
             state["batch_in_epoch"] += 1
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
-            loss_avg = accelerator.reduce(step_loss.to(accelerator.device), "mean").item()
-            step_loss.zero_()
-            rate = meter.step(**tally.reduce(accelerator))
-            if state["step"] % args.log_every == 0 or state["step"] == total_steps:
-                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg, "lr": lr,
-                          **rate.as_metrics(), **peak_memory_gib()}
-                log.write(record)
-                bar.set_postfix_str(progress_postfix(record))
-            bar.update(1)
+            report.optimizer_step(state["step"], state["epoch"], lr)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch or state["step"] == total_steps:
                 result = {"step": state["step"], "epoch": state["epoch"],
@@ -237,11 +223,10 @@ def main(argv=None) -> None:
                 path = checkpoints.save_checkpoint(accelerator, output, state["step"], state,
                                                    keep=args.keep_checkpoints)
                 accelerator.print(f"\ncheckpoint saved: {path}")
-            meter.reset_clock()  # evaluation and saving are not training time
+            report.meter.reset_clock()  # evaluation and saving are not training time
             if done_epoch or state["step"] >= total_steps:
                 break
-    bar.close()
-    log.close()
+    report.close()
 
     # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
     adapter_dir = qlora.save_adapter(accelerator, model, tokenizer, output / "adapter")
@@ -251,10 +236,10 @@ def main(argv=None) -> None:
     peaks = peak_memory_all_ranks(accelerator)
     if accelerator.is_main_process:
         record = run_record.for_training_run(
-            recipe="llama3-70b-qlora", model_name=args.model, arch=arch, flop_counter=tally.flop_counter,
+            recipe="llama3-70b-qlora", model_name=args.model, arch=arch, flop_counter=flop_counter,
             params_trainable=n_trainable, ds_config=ds_config,
             script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")},
-            world=world, nodes=launch["num_machines"], meter=meter, warmup_steps=args.meter_warmup_steps,
+            world=world, nodes=launch["num_machines"], meter=report.meter, warmup_steps=args.meter_warmup_steps,
             peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
             training={"method": "qlora", "seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
                       "grad_accum": args.grad_accum, "gradient_checkpointing": args.gradient_checkpointing})
@@ -276,8 +261,8 @@ def main(argv=None) -> None:
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
         print(f"done: {state['step']} steps, validation loss {final.get('eval_loss', float('nan')):.4f}, "
               f"accuracy {final.get('eval_accuracy', float('nan')):.3f}, "
-              f"{meter.total_tokens:,} tokens trained in this session, adapter saved to {adapter_dir}\n"
-              f"per-step loss, tokens/s and memory: {log.path}; run record: {output / 'run_record.json'}")
+              f"{report.meter.total_tokens:,} tokens trained in this session, adapter saved to {adapter_dir}\n"
+              f"per-step loss, tokens/s and memory: {report.log.path}; run record: {output / 'run_record.json'}")
     accelerator.end_training()
 
     # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----

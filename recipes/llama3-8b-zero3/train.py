@@ -27,19 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from accelerate.utils import DataLoaderConfiguration, DummyOptim, DummyScheduler, gather_object, set_seed
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from finetune_kit import architectures, checkpoints, data, launch_checks, memory, models, run_record
 from finetune_kit.distributed import make_accelerator, partition_report
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.evaluation import evaluate_loss
-from finetune_kit.flops import FlopCounter, peak_tflops
-from finetune_kit.metrics_log import MetricsLog
-from finetune_kit.throughput import StepTally, ThroughputMeter, peak_memory_all_ranks, peak_memory_gib, progress_postfix
+from finetune_kit.flops import FlopCounter
+from finetune_kit.step_report import StepReport
+from finetune_kit.throughput import peak_memory_all_ranks, peak_memory_gib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -153,14 +151,10 @@ def main(argv=None) -> None:
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
     arch = architectures.from_config(model_config)
-    tally = StepTally(FlopCounter(arch))
-    meter = ThroughputMeter(num_devices=world, peak_tflops=peak_tflops(run_record.device_name()))
-    log = MetricsLog(output, enabled=accelerator.is_main_process)
+    report = StepReport(accelerator, FlopCounter(arch), output, total_steps=total_steps, initial_step=state["step"],
+                        grad_accum=args.grad_accum, log_every=args.log_every)
     seen_ids: list[int] = []  # rows this rank trained on, for the run record
-    bar = tqdm(total=total_steps, initial=state["step"], desc="training", unit="step",
-               disable=not accelerator.is_local_main_process)
     model.train()
-    step_loss = torch.zeros(())
     while state["step"] < total_steps:
         train_dl.set_epoch(state["epoch"])
         batches = accelerator.skip_first_batches(train_dl, state["batch_in_epoch"])
@@ -173,21 +167,12 @@ def main(argv=None) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            step_loss += loss.detach().float().cpu() / args.grad_accum
-            tally.add(batch["attention_mask"])
+            report.micro_batch(loss, batch["attention_mask"])
             state["batch_in_epoch"] += 1
             if not accelerator.sync_gradients:
                 continue
             state["step"] += 1
-            loss_avg = accelerator.reduce(step_loss.to(accelerator.device), "mean").item()
-            step_loss.zero_()
-            rate = meter.step(**tally.reduce(accelerator))
-            if state["step"] % args.log_every == 0 or state["step"] == total_steps:
-                record = {"step": state["step"], "epoch": state["epoch"], "loss": loss_avg, "lr": lr,
-                          **rate.as_metrics(), **peak_memory_gib()}
-                log.write(record)
-                bar.set_postfix_str(progress_postfix(record))
-            bar.update(1)
+            report.optimizer_step(state["step"], state["epoch"], lr)
             done_epoch = state["batch_in_epoch"] >= steps_per_epoch * args.grad_accum
             if done_epoch:
                 state["epoch"] += 1
@@ -196,11 +181,10 @@ def main(argv=None) -> None:
                 path = checkpoints.save_checkpoint(accelerator, output, state["step"], state,
                                                    keep=args.keep_checkpoints)
                 accelerator.print(f"\ncheckpoint saved: {path}")
-                meter.reset_clock()
+                report.meter.reset_clock()
             if done_epoch or state["step"] >= total_steps:
                 break
-    bar.close()
-    log.close()
+    report.close()
 
     # ---- 7. Evaluate, save the consolidated model, write the run record ----
     eval_loss = evaluate_loss(model, eval_dl, accelerator) if eval_dl is not None else None
@@ -211,10 +195,10 @@ def main(argv=None) -> None:
     peaks = peak_memory_all_ranks(accelerator)
     if accelerator.is_main_process:
         record = run_record.for_training_run(
-            recipe="llama3-8b-zero3", model_name=args.model, arch=arch, flop_counter=tally.flop_counter,
+            recipe="llama3-8b-zero3", model_name=args.model, arch=arch, flop_counter=report.tally.flop_counter,
             params_trainable=shards[0]["params"]["total"], ds_config=ds_config,
             script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")},
-            world=world, nodes=launch_checks.num_nodes(), meter=meter, warmup_steps=args.meter_warmup_steps,
+            world=world, nodes=launch_checks.num_nodes(), meter=report.meter, warmup_steps=args.meter_warmup_steps,
             peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
             training={"method": "full", "seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size,
                       "grad_accum": args.grad_accum, "gradient_checkpointing": args.gradient_checkpointing,
@@ -234,8 +218,8 @@ def main(argv=None) -> None:
         (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
         eval_text = f"{eval_loss:.4f}" if eval_loss is not None else "n/a"
         print(f"done: {state['step']} steps, validation loss {eval_text}, "
-              f"{meter.total_tokens:,} tokens trained in this session, model saved to {model_dir}\n"
-              f"per-step loss, tokens/s and memory: {log.path}; run record: {output / 'run_record.json'}")
+              f"{report.meter.total_tokens:,} tokens trained in this session, model saved to {model_dir}\n"
+              f"per-step loss, tokens/s and memory: {report.log.path}; run record: {output / 'run_record.json'}")
     accelerator.end_training()
 
 

@@ -1,0 +1,35 @@
+"""StepReport: what an accelerate loop logs per optimizer step (one process, no launcher)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from finetune_kit.architectures import ModelShape
+from finetune_kit.flops import FlopCounter
+from finetune_kit.step_report import StepReport
+
+TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512)
+
+
+def one_process():
+    return SimpleNamespace(num_processes=1, is_main_process=True, is_local_main_process=False,
+                           device=torch.device("cpu"), reduce=lambda t, op: t)
+
+
+def test_steps_average_the_loss_and_log_every_n(tmp_path):
+    report = StepReport(one_process(), FlopCounter(TINY), tmp_path, total_steps=3, initial_step=0, grad_accum=2,
+                        log_every=2)
+    losses = [(2.0, 4.0), (3.0, 1.0), (1.0, 1.0)]
+    for step, (a, b) in enumerate(losses, start=1):
+        report.micro_batch(torch.tensor(a), torch.tensor([[1, 1, 1, 0]]))
+        report.micro_batch(torch.tensor(b), torch.tensor([[1, 1, 0, 0]]))
+        record = report.optimizer_step(step, epoch=0, lr=1e-3)
+        assert record["loss"] == pytest.approx((a + b) / 2) and record["tokens"] == 5
+        assert record["padding_fraction"] == pytest.approx(3 / 8)
+    report.close()
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [2, 3]  # every 2nd step, and the last
+    assert len(report.meter.history) == 3  # every step is metered for the run record
