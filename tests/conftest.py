@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,27 @@ def tiny_llama2(tmp_path_factory) -> Path:
     from finetune_kit.tiny import build_tiny
 
     return build_tiny("llama2", tmp_path_factory.mktemp("models") / "tiny-llama2")
+
+
+@pytest.fixture(scope="module")
+def recipe_copy(request, tmp_path_factory) -> Path:
+    """The test module's RECIPE folder copied outside the repository, as a user would copy it."""
+    recipe = request.module.RECIPE
+    dest = tmp_path_factory.mktemp("user") / recipe.name
+    shutil.copytree(recipe, dest)
+    return dest
+
+
+def installed_package_location(cwd: Path) -> Path:
+    """Where ``import finetune_kit`` resolves from ``cwd`` (a copied recipe must not see shared/)."""
+    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
+                           cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    return Path(where)
+
+
+def read_metrics(output: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

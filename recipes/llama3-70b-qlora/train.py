@@ -101,16 +101,10 @@ def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
     model_config = models.load_config(args.model)
     models.check_seq_len(args.max_seq_len, model_config, args.model)
-    ds_path = launch_checks.launched_deepspeed_config()
-    if ds_path is None:
-        raise ConfigError("no DeepSpeed config: launch with 'accelerate launch --config_file "
-                          "configs/zero3-main.yaml train.py ...' (configs/zero3-worker.yaml on the worker).")
-    ds_config = launch_checks.load_deepspeed_config(ds_path)
-    zero3 = launch_checks.zero_stage(ds_config) == 3
-    if not zero3:
-        raise ConfigError(f"{ds_path} sets ZeRO stage {launch_checks.zero_stage(ds_config)}; "
-                          "this recipe is ZeRO-3: use configs/zero3.json.")
-    qlora.check_zero3_settings(zero3=zero3, dtype=args.dtype, quant_storage=args.quant_storage,
+    ds_path, ds_config = launch_checks.launched_zero_config(
+        3, launch="'accelerate launch --config_file configs/zero3-main.yaml train.py ...' "
+        "(configs/zero3-worker.yaml on the worker)", configs=": use configs/zero3.json.")
+    qlora.check_zero3_settings(zero3=True, dtype=args.dtype, quant_storage=args.quant_storage,
                                device_map=args.device_map)
     launch_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
                                     grad_accum=args.grad_accum, world=launch_checks.world_size(),

@@ -173,6 +173,16 @@ def pack(examples, max_seq_len: int) -> list[dict]:
     return packed
 
 
+def padded_length(examples: Sequence[dict], multiple: int | None) -> int:
+    """The longest ``input_ids`` in the batch, rounded up to a multiple of ``multiple``."""
+    length = max(len(ex["input_ids"]) for ex in examples)
+    return -(-length // multiple) * multiple if multiple else length
+
+
+def pad_right(values: Sequence[int], length: int, fill: int) -> list[int]:
+    return list(values) + [fill] * (length - len(values))
+
+
 @dataclass
 class PadCollator:
     """Right-pad a list of examples to the longest one (optionally to a multiple of N).
@@ -185,15 +195,10 @@ class PadCollator:
     pad_to_multiple_of: int | None = None
 
     def __call__(self, examples: Sequence[dict]) -> dict:
-        length = max(len(ex["input_ids"]) for ex in examples)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = {"input_ids": [], "attention_mask": [], "labels": []}
-        for ex in examples:
-            pad = length - len(ex["input_ids"])
-            batch["input_ids"].append(list(ex["input_ids"]) + [self.pad_token_id] * pad)
-            batch["attention_mask"].append([1] * len(ex["input_ids"]) + [0] * pad)
-            batch["labels"].append(list(ex["labels"]) + [IGNORE_INDEX] * pad)
+        length = padded_length(examples, self.pad_to_multiple_of)
+        batch = {"input_ids": [pad_right(ex["input_ids"], length, self.pad_token_id) for ex in examples],
+                 "attention_mask": [pad_right([1] * len(ex["input_ids"]), length, 0) for ex in examples],
+                 "labels": [pad_right(ex["labels"], length, IGNORE_INDEX) for ex in examples]}
         out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
         out["example_ids"] = [list(ex["example_ids"]) for ex in examples]
         return out

@@ -21,6 +21,21 @@ def launched_deepspeed_config() -> Path | None:
     return Path(value) if value and value != "none" else None
 
 
+def launched_zero_config(stage: int, launch: str, configs: str) -> tuple[Path, dict]:
+    """The launched DeepSpeed JSON (path, parsed), which must set ZeRO ``stage``.
+
+    ``launch`` is the launch command to suggest when there is none; ``configs`` names the
+    recipe's own configs for that stage. Raises ConfigError before anything starts.
+    """
+    path = launched_deepspeed_config()
+    if path is None:
+        raise ConfigError(f"no DeepSpeed config: launch with {launch}.")
+    config = load_deepspeed_config(path)
+    if zero_stage(config) != stage:
+        raise ConfigError(f"{path} sets ZeRO stage {zero_stage(config)}; this recipe is ZeRO-{stage}{configs}")
+    return path, config
+
+
 def world_size() -> int:
     """Processes in the job as the launcher set them up (1 when run without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from finetune_kit.data import SAMPLE_DIR
+from finetune_kit.data import SAMPLE_DIR, pad_right, padded_length
 from finetune_kit.errors import DataError
 
 SAMPLE_REVIEWS = SAMPLE_DIR / "reviews.csv"
@@ -131,11 +131,9 @@ class ReviewCollator:
     pad_to_multiple_of: int | None = None
 
     def __call__(self, examples: Sequence[dict]) -> dict:
-        length = max(len(ex["input_ids"]) for ex in examples)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        ids = [list(ex["input_ids"]) + [self.pad_token_id] * (length - len(ex["input_ids"])) for ex in examples]
-        mask = [[1] * len(ex["input_ids"]) + [0] * (length - len(ex["input_ids"])) for ex in examples]
+        length = padded_length(examples, self.pad_to_multiple_of)
+        ids = [pad_right(ex["input_ids"], length, self.pad_token_id) for ex in examples]
+        mask = [pad_right([1] * len(ex["input_ids"]), length, 0) for ex in examples]
         return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask),
                 "labels": torch.tensor([ex["label"] for ex in examples]),
                 "example_ids": [ex["example_id"] for ex in examples]}

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SAMPLE, free_port, load_script, write_jsonl
+from tests.conftest import REPO, SAMPLE, free_port, installed_package_location, load_script, read_metrics, write_jsonl
 
 pytestmark = pytest.mark.recipe
 
@@ -59,9 +57,6 @@ def check(proc, steps: int):
     assert f"done: {steps} steps" in proc.stdout
 
 
-def read_metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
 
 def losses(output: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(output)]
@@ -70,12 +65,6 @@ def losses(output: Path) -> list[float]:
 def read_run_info(output: Path) -> dict:
     return json.loads((output / "run_info.json").read_text())
 
-
-@pytest.fixture(scope="module")
-def recipe_copy(tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("user") / "llama2-13b-zero2"
-    shutil.copytree(RECIPE, dest)
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +92,8 @@ def short_run(recipe_copy, tiny_llama2, tmp_path_factory):
 
 
 def test_copied_recipe_uses_the_installed_package(recipe_copy):
-    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
-                           cwd=recipe_copy, capture_output=True, text=True, check=True).stdout.strip()
-    assert not Path(where).is_relative_to(REPO / "shared"), where
+    where = installed_package_location(recipe_copy)
+    assert not where.is_relative_to(REPO / "shared"), where
 
 
 def test_two_ranks_train_on_different_data(run_info):

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, load_script
+from tests.conftest import REPO, load_script, read_metrics
 
 pytestmark = pytest.mark.recipe
 
@@ -94,15 +94,6 @@ def assert_ok(nodes) -> None:
         assert proc.returncode == 0, f"{name} node failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def read_metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def recipe_copy(tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("user") / "llama3-70b-qlora"
-    shutil.copytree(RECIPE, dest)
-    return dest
 
 
 @pytest.fixture(scope="module")

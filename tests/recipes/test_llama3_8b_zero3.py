@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SAMPLE, load_script, write_jsonl
+from tests.conftest import REPO, SAMPLE, installed_package_location, load_script, read_metrics, write_jsonl
 
 pytestmark = pytest.mark.recipe
 
@@ -43,15 +41,6 @@ def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int
     return proc
 
 
-def read_metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def recipe_copy(tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("user") / "llama3-8b-zero3"
-    shutil.copytree(RECIPE, dest)
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +59,8 @@ def run_info(run) -> dict:
 
 
 def test_copied_recipe_uses_the_installed_package(recipe_copy):
-    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
-                           cwd=recipe_copy, capture_output=True, text=True, check=True).stdout.strip()
-    assert not Path(where).is_relative_to(REPO / "shared"), where
+    where = installed_package_location(recipe_copy)
+    assert not where.is_relative_to(REPO / "shared"), where
 
 
 def test_run_info_records_the_memory_plan(run_info):
