@@ -1,12 +1,6 @@
-# One command to set up and run each thing; see README.md.
-#   make demo            fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
-#   make test            lint, unit tests and every recipe's end-to-end session (nox)
-#   make results         regenerate results/README.md and its plot from the run records
-#   make recipe-8b-zero3 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...   the real run (GPUs)
-#   make plan RECIPE=llama3-8b-zero3   will it fit? memory per GPU/node for the recipe's setups
-#   make image RECIPE=llama3-8b-zero3  the recipe's container image (on the common base image)
-#   make recipe-13b-zero2 NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...  the real run (GPUs)
-#   make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...   2 nodes x 4 GPUs
+# One command to set up and run each thing; see README.md. `make help` lists the targets from the
+# "## text" at the end of each target's line (`target: prerequisites ## what it does`), so a new
+# target documents itself.
 
 PYTHON ?= python3
 VENV := .venv
@@ -30,10 +24,12 @@ MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan memory-tables image clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
+	memory-tables image clean
 
-help:
-	@sed -n '2,9p' Makefile
+help: ## this list
+	@echo "make <target> [VARIABLE=value ...]"
+	@awk -F ':.*## ' '/^[a-zA-Z0-9_.-]+:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 
 # Only nox lives here; each nox session installs the pinned stack in its own venv.
 $(NOX): docker/requirements.txt
@@ -41,25 +37,25 @@ $(NOX): docker/requirements.txt
 	$(VENV)/bin/pip install --quiet "$$(grep -E '^nox==' docker/requirements.txt)"
 	@touch $(NOX)
 
-demo: $(NOX)
+demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 	$(NOX) -s demo
 
-test: $(NOX)
+test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	$(NOX)
 
-lint: $(NOX)
+lint: $(NOX) ## ruff and hadolint
 	$(NOX) -s lint
 
-unit: $(NOX)
+unit: $(NOX) ## unit tests of the shared package and the shipped configs
 	$(NOX) -s unit
 
 # Tables and plot in results/ come only from results/published.csv and results/runs/*.json.
-results: $(NOX)
+results: $(NOX) ## regenerate results/README.md and its plot from the run records
 	$(NOX) -s results
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-recipe-8b-zero3:
+recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
 	  echo "make recipe-8b-zero3 needs NVIDIA GPUs and the pinned stack; none found here."; \
 	  echo "To try the recipe on this machine, run 'make demo' (tiny model, CPU, a few minutes)."; \
@@ -72,25 +68,29 @@ recipe-8b-zero3:
 
 # The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
 RECIPE ?= llama3-8b-zero3
-PLAN := PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.plan
+PLAN := PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.planning
 
-plan:
+plan: ## will it fit? memory per GPU/node for the recipe's setups: RECIPE=llama3-8b-zero3
 	$(PLAN) --recipe recipes/$(RECIPE)
 
-# Regenerate the memory tables in recipes/*/README.md from each recipes/<name>/memory_plan.json.
-memory-tables:
-	$(PLAN) --update-readmes
+# The generated blocks of recipes/*/README.md (memory tables, DeepSpeed knobs), from the files they name.
+readmes: ## regenerate the recipe READMEs' generated tables (memory plan, DeepSpeed knobs)
+	PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.repo readmes
+
+memory-tables: readmes ## alias of readmes
 
 # Container image of a recipe: the common base (docker/Dockerfile: CUDA, the pinned stack, the
-# shared package), then the recipe folder on top (recipes/<name>/Dockerfile).
-BASE_IMAGE := finetune-kit-base:0.1.0
-image:
-	docker build -f docker/Dockerfile -t $(BASE_IMAGE) .
+# shared package), then the recipe folder on top (recipes/<name>/Dockerfile). The base image's tag
+# is the package version, read from its one place.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' shared/finetune_kit/__init__.py)
+BASE_IMAGE := finetune-kit-base:$(VERSION)
+image: ## the recipe's container image on the common base image: RECIPE=llama3-8b-zero3
+	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(BASE_IMAGE) .
 	docker build -f recipes/$(RECIPE)/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(RECIPE) .
 
 # Llama 2 13B, ZeRO-2, HF Trainer, launched with `deepspeed`. NUM_GPUS below 8 picks the
 # optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
-recipe-13b-zero2:
+recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
 	  echo "make recipe-13b-zero2 needs NVIDIA GPUs and the pinned stack; none found here."; \
 	  echo "To try it on CPU: 'nox -s recipe-llama2-13b-zero2' runs this recipe on a tiny Llama 2 with 2 processes,"; \
@@ -104,17 +104,17 @@ recipe-13b-zero2:
 	  --output_dir "$(abspath $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT)))"
 
 # Checks the main/worker config pair first (seconds), then starts this node's half of the job.
-recipe-70b-qlora:
+recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
 	  echo "make recipe-70b-qlora needs NVIDIA GPUs and the pinned stack; none found here."; exit 2; }
 	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
 	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
-	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
+	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.launch.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
 	  --node-rank $(NODE_RANK)
 	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
 	cd $(RECIPE_70B) && set -x && accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
 	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
 	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))"
 
-clean:
+clean: ## remove .nox, build and out
 	rm -rf .nox build out

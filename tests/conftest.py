@@ -1,30 +1,26 @@
-"""Shared fixtures: tiny models are built once per test session, from the shipped sample."""
+"""Shared fixtures: tiny models built once per test session, recipe copies, a recipe's main() in-process."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "shared/finetune_kit/sample_data/instructions.jsonl"
+from tests.harness import REPO, SAMPLE  # noqa: F401  (the names tests import from here)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3(tmp_path_factory) -> Path:
-    from finetune_kit.tiny import build_tiny
+    from finetune_kit.models.tiny import build_tiny
 
     return build_tiny("llama3", tmp_path_factory.mktemp("models") / "tiny-llama3")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama2(tmp_path_factory) -> Path:
-    from finetune_kit.tiny import build_tiny
+    from finetune_kit.models.tiny import build_tiny
 
     return build_tiny("llama2", tmp_path_factory.mktemp("models") / "tiny-llama2")
 
@@ -38,20 +34,22 @@ def recipe_copy(request, tmp_path_factory) -> Path:
     return dest
 
 
-def installed_package_location(cwd: Path) -> Path:
-    """Where ``import finetune_kit`` resolves from ``cwd`` (a copied recipe must not see shared/)."""
-    where = subprocess.run([sys.executable, "-c", "import finetune_kit; print(finetune_kit.__file__)"],
-                           cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
-    return Path(where)
-
-
-def read_metrics(output: Path) -> list[dict]:
-    """A run's metrics.jsonl, one dict per logged step."""
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture
+def recipe_main(request, monkeypatch):
+    """The test module's recipe ``main()`` in-process, as a launcher starts one rank: from the
+    recipe folder, with the module's ``LAUNCH_ENV`` (e.g. the DeepSpeed JSON accelerate passes).
+    For the checks that run before any process group."""
+    recipe = request.module.RECIPE
+    monkeypatch.chdir(recipe)
+    for key, value in getattr(request.module, "LAUNCH_ENV", {}).items():
+        monkeypatch.setenv(key, value)
+    return load_script(recipe / "train.py").main
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     """Write rows as JSON lines; return the path as a string (what --data takes)."""
+    import json
+
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -62,12 +60,3 @@ def load_script(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, for a launcher's --master_port (29500 may be taken)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

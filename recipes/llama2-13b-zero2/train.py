@@ -21,28 +21,23 @@ Data: JSONL/CSV rows (or a hub dataset) with "prompt" and "response" fields, for
 --resume_from_checkpoint latest), model/ (consolidated bf16 safetensors + tokenizer),
 metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s, MFU, memory), run_record.json
 (throughput medians, peak memory, hardware and library versions: what results/ collects),
-run_info.json.
+run_info.json (data split, per-rank optimizer shards, validation, the memory plan).
 """
 
 import dataclasses
-import json
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from finetune_kit import architectures, checkpoints, data, launch_checks, memory, models, run_record
-from finetune_kit.distributed import optimizer_partition_report, trainer_cpu_overrides
-from finetune_kit.errors import ConfigError, DataError, UserInputError
-from finetune_kit.evaluation import evaluate_loss
-from finetune_kit.flops import FlopCounter
-from finetune_kit.throughput import peak_memory_all_ranks
-from finetune_kit.trainer_metrics import MeteredTrainer
+from finetune_kit import TrainingRun, UserInputError, data, evaluate_loss, models
+from finetune_kit.errors import DataError
+from finetune_kit.launch.accelerator import trainer_cpu_overrides
+
+RECIPE = "llama2-13b-zero2"
+CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
 
 
 @dataclass
@@ -90,44 +85,20 @@ def parse_args(argv=None) -> tuple[RecipeArguments, dict]:
 
 def main(argv=None) -> None:
     recipe, trainer_kwargs = parse_args(argv)
-    output = Path(trainer_kwargs["output_dir"])
 
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
-    if not trainer_kwargs["deepspeed"]:
-        raise ConfigError("no DeepSpeed config: pass --deepspeed configs/zero2.json (or zero2-fp16.json, "
-                          "zero2-offload.json).")
     if recipe.data is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
-    ds_path = trainer_kwargs["deepspeed"]
-    ds_config = launch_checks.load_deepspeed_config(ds_path)
-    if launch_checks.zero_stage(ds_config) != 2:
-        raise ConfigError(f"{ds_path} sets ZeRO stage {launch_checks.zero_stage(ds_config)}; this recipe "
-                          "is ZeRO-2. Use configs/zero2.json, zero2-fp16.json or zero2-offload.json.")
-    for key, from_json in launch_checks.precision_flags(ds_config).items():
-        if trainer_kwargs[key] is None:  # --bf16/--fp16 not given: the JSON decides
-            trainer_kwargs[key] = from_json
-    launch_checks.check_trainer_agreement(ds_config, trainer_kwargs, world=launch_checks.world_size(),
-                                          source=ds_path)
-    model_config = models.load_config(recipe.model)
-    models.check_seq_len(recipe.max_seq_len, model_config, recipe.model)
-    memory_plan = memory.preflight(
-        model_config, ds_config, world_size=launch_checks.world_size(),
-        micro_batch=trainer_kwargs["per_device_train_batch_size"], seq_len=recipe.max_seq_len,
-        gradient_checkpointing=trainer_kwargs["activation_checkpointing"], skip=recipe.skip_memory_check,
-        skip_flag="--skip_memory_check",
-        flags={"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
-               "gradient_checkpointing": "--activation_checkpointing true"})
+    run = TrainingRun.preflight_trainer(RECIPE, recipe, trainer_kwargs, zero_stage=2, configs=CONFIGS)
     rows = data.load_rows(recipe.data, recipe.prompt_field, recipe.response_field)
-    resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
-                                             checkpoints.TRAINER_LAYOUT)
 
     # ---- 2. TrainingArguments (fills the JSON's "auto" values); the process group starts here ----
     args = TrainingArguments(**{**trainer_kwargs, **TRAINER_FIXED, **trainer_cpu_overrides()})
-    launch_checks.check_trainer_mismatches(args, source=ds_path)
+    run.check_trainer_arguments(args)
     set_seed(args.seed)
     world = args.world_size
     if args.process_index == 0:
-        print(f"world size {world}, device {args.device}, ZeRO stage 2, config {ds_path}, "
+        print(f"world size {world}, device {args.device}, ZeRO stage 2, config {run.ds_path}, "
               f"batch {args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {world}")
 
     # ---- 3. Data: tokenise with the prompt masked, hold out a validation split ----
@@ -135,19 +106,13 @@ def main(argv=None) -> None:
     with args.main_process_first(desc="tokenising"):
         examples = data.tokenize_rows(rows, tokenizer, recipe.max_seq_len, recipe.prompt_field,
                                       recipe.response_field, source=recipe.data, prompt_format=recipe.prompt_format)
-    n_eval = max(1, round(len(examples) * recipe.eval_fraction)) if recipe.eval_fraction > 0 else 0
-    split = examples.train_test_split(test_size=n_eval, seed=args.seed) if n_eval else None
-    train_set = split["train"] if split else examples
+    train_set, eval_set = data.holdout_split(examples, recipe.eval_fraction, args.seed)
     if recipe.pack:
         train_set = data.pack(train_set, recipe.max_seq_len)
+    run.record_split(train_set, eval_set)
     collate = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     recorder = data.RowRecorder(collate)  # the rows this rank loaded, for the run record
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    if len(train_set) < global_batch:
-        raise ConfigError(f"{len(train_set)} training sequences make no full optimizer step of "
-                          f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {world} "
-                          "processes; lower --per_device_train_batch_size or --gradient_accumulation_steps, "
-                          "or add data.")
+    run.check_enough_data(len(train_set), args)
 
     # ---- 4. Model: every rank holds the bf16 weights; ZeRO-2 splits gradients and optimizer ----
     model = models.load_causal_lm(recipe.model)
@@ -156,56 +121,19 @@ def main(argv=None) -> None:
     model.config.use_cache = False
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
-    arch = architectures.from_config(model_config)
-    trainer = MeteredTrainer(model=model, args=args, train_dataset=train_set, data_collator=recorder,
-                             processing_class=tokenizer, flop_counter=FlopCounter(arch), metrics_dir=output)
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    trainer = run.metered_trainer(model=model, args=args, train_dataset=train_set, data_collator=recorder,
+                                  processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=str(run.resume_from) if run.resume_from else None)
 
-    # ---- 6. Evaluate, save the consolidated model, write the run record ----
-    eval_loss = None
-    if split:
-        eval_dl = trainer.accelerator.prepare(DataLoader(split["test"], batch_size=args.per_device_eval_batch_size,
-                                                         collate_fn=collate))
-        eval_loss = evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)
-    model_dir = output / "model"
+    # ---- 6. Save the consolidated model; validation, run record and run info ----
+    model_dir = run.output / "model"
     trainer.save_model(str(model_dir))  # ZeRO-2: every rank has the full weights; rank 0 writes
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
-    engine = trainer.model_wrapped
-    ranks = gather_object([{"rank": args.process_index, "world_size": args.world_size, "example_ids": recorder.seen,
-                            "optimizer": optimizer_partition_report(engine)}])
-    peaks = peak_memory_all_ranks(trainer.accelerator)
-    if args.process_index == 0:
-        record = run_record.for_training_run(
-            recipe="llama2-13b-zero2", model_name=recipe.model, arch=arch, flop_counter=trainer.tally.flop_counter,
-            params_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), ds_config=ds_config,
-            script_args={**dataclasses.asdict(recipe), **{k: v for k, v in trainer_kwargs.items()
-                                                          if k not in ("output_dir", "resume_from_checkpoint")}},
-            world=world, nodes=launch_checks.num_nodes(), meter=trainer.meter, warmup_steps=recipe.meter_warmup_steps,
-            peaks=peaks, where=Path(__file__).parent, predicted_gpu_GiB=memory_plan.gpu_bytes / 2**30,
-            training={"method": "full", "seq_len": recipe.max_seq_len,
-                      "micro_batch_size": args.per_device_train_batch_size,
-                      "grad_accum": args.gradient_accumulation_steps,
-                      "gradient_checkpointing": bool(args.activation_checkpointing), "packing": recipe.pack})
-        record.write(output / "run_record.json")
-        run_info = {
-            "recipe": "llama2-13b-zero2", "model": recipe.model, "world_size": world,
-            "zero_stage": engine.zero_optimization_stage(), "deepspeed_config": ds_path,
-            "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
-            "steps": trainer.state.global_step, "resumed_from": str(resume_from or ""),
-            "eval_loss": eval_loss, "train_sequences": len(train_set),
-            "eval_example_ids": [i for ids in split["test"]["example_ids"] for i in ids] if split else [],
-            "max_seq_len": recipe.max_seq_len, "micro_batch_size": args.per_device_train_batch_size,
-            "grad_accum": args.gradient_accumulation_steps, "model_dir": str(model_dir), "ranks": ranks,
-            "memory_plan": memory_plan.to_dict(),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (output / "run_info.json").write_text(json.dumps(run_info, indent=2))
-        eval_text = f"{eval_loss:.4f}" if eval_loss is not None else "n/a"
-        print(f"done: {trainer.state.global_step} steps, validation loss {eval_text}, "
-              f"{trainer.state.num_input_tokens_seen:,} tokens trained, model saved to {model_dir}\n"
-              f"per-step loss, tokens/s and memory: {output / 'metrics.jsonl'}; "
-              f"run record: {output / 'run_record.json'}")
-    trainer.accelerator.end_training()  # leave the process group before exit: a clean shutdown on every rank
+    if eval_set is not None:
+        eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
+                                                         collate_fn=collate))
+        run.evaluate = lambda: {"eval_loss": evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)}
+    run.finish(trainer.model_wrapped, saved_to=model_dir, seen_ids=recorder.seen, training={"packing": recipe.pack})
 
 
 if __name__ == "__main__":

@@ -1,3 +1,33 @@
-"""Shared utilities for the fine-tuning recipes: data, models, checks, metering, checkpoints."""
+"""Shared code of the fine-tuning recipes. Each folder answers one question:
+
+    data/       what the model reads: instruction rows (prompt masking, packing), review CSVs, samples
+    models/     shapes from a config (no weights), loading with a real pad token, tiny test models, QLoRA
+    launch/     what the launcher set up: its environment, the launched configs' checks, the Accelerator,
+                multi-node preflight and handshake
+    training/   the run lifecycle (checks, position, logging/eval/save schedule, records), the flags
+                every recipe shares, checkpoints, evaluation, the metered HF Trainer
+    metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl
+    planning/   will it fit? memory per GPU and per node before launch (python -m finetune_kit.planning)
+    results/    run records and the results/ page built from them (python -m finetune_kit.results)
+
+A recipe needs a handful of names, importable from here without loading torch until used.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "TrainingRun": "finetune_kit.training.run",
+    "recipe_parser": "finetune_kit.training.arguments",
+    "save_consolidated": "finetune_kit.training.checkpoints",
+    "evaluate_loss": "finetune_kit.training.evaluation",
+    "UserInputError": "finetune_kit.errors",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'finetune_kit' has no attribute {name!r}")

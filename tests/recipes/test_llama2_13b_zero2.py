@@ -16,20 +16,30 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SAMPLE, free_port, installed_package_location, load_script, read_metrics, write_jsonl
+from tests.conftest import write_jsonl
+from tests.harness import (
+    REPO,
+    SAMPLE,
+    assert_finished,
+    assert_matches_golden,
+    assert_ranks_disjoint,
+    assert_resumed_like_uninterrupted,
+    bad_input_args,
+    losses,
+    read_metrics,
+    read_run_info,
+    script_launch,
+)
 
 pytestmark = pytest.mark.recipe
 
 RECIPE = REPO / "recipes/llama2-13b-zero2"
 GOLDEN = REPO / "tests/golden/llama2-13b-zero2.json"
-LOSS_ATOL = 5e-3  # CPU bf16 kernels may round differently across CPU generations
 STEPS, SAVE_EVERY = 6, 3
 MAX_SEQ_LEN = 128
 
@@ -42,35 +52,14 @@ def sizes(model: Path, micro: int = 1, accum: int = 4) -> list[str]:
 
 
 def launch(cwd: Path, *args: str, launcher: str = "deepspeed", config: str = "configs/zero2.json", nproc: int = 2):
-    """The README's launch commands, with a free rendezvous port."""
-    port = str(free_port())
-    if launcher == "deepspeed":
-        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port]
-    else:
-        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
-    cmd += ["train.py", "--deepspeed", config, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
-
-
-def check(proc, steps: int):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert f"done: {steps} steps" in proc.stdout
-
-
-
-def losses(output: Path) -> list[float]:
-    return [m["loss"] for m in read_metrics(output)]
-
-
-def read_run_info(output: Path) -> dict:
-    return json.loads((output / "run_info.json").read_text())
-
+    """The README's launch commands (either launcher), with a free rendezvous port."""
+    return script_launch(cwd, "--deepspeed", config, *args, launcher=launcher, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
 def run(recipe_copy, tiny_llama2, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("runs") / "fresh"
-    check(launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
+    assert_finished(launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
                  "--save_steps", str(SAVE_EVERY), "--save_total_limit", "0"), STEPS)
     return output
 
@@ -85,24 +74,14 @@ def short_run(recipe_copy, tiny_llama2, tmp_path_factory):
     """A 3-step run without checkpoints, varied by launcher, batch shape or config."""
     def start(name: str, *, micro: int = 1, accum: int = 4, **launch_kwargs) -> Path:
         output = tmp_path_factory.mktemp("runs") / name
-        check(launch(recipe_copy, *sizes(tiny_llama2, micro, accum), "--output_dir", str(output),
+        assert_finished(launch(recipe_copy, *sizes(tiny_llama2, micro, accum), "--output_dir", str(output),
                      "--max_steps", "3", "--save_strategy", "no", **launch_kwargs), 3)
         return output
     return start
 
 
-def test_copied_recipe_uses_the_installed_package(recipe_copy):
-    where = installed_package_location(recipe_copy)
-    assert not where.is_relative_to(REPO / "shared"), where
-
-
 def test_two_ranks_train_on_different_data(run_info):
-    assert run_info["world_size"] == 2
-    assert sorted(r["rank"] for r in run_info["ranks"]) == [0, 1]
-    assert [r["world_size"] for r in run_info["ranks"]] == [2, 2]  # every rank saw the real world
-    ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}
-    assert ids[0] and ids[1] and not ids[0] & ids[1]
-    assert not (ids[0] | ids[1]) & set(run_info["eval_example_ids"])  # validation rows are held out
+    assert_ranks_disjoint(run_info)
 
 
 def test_zero2_partitions_the_optimizer_state(run_info):
@@ -123,10 +102,7 @@ def test_loss_falls(run):
 
 
 def test_losses_match_golden(run):
-    got = losses(run)
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"steps": STEPS, "atol": LOSS_ATOL, "losses": got}, indent=2) + "\n")
-    assert got == pytest.approx(json.loads(GOLDEN.read_text())["losses"], abs=LOSS_ATOL)
+    assert_matches_golden(losses(run), GOLDEN, STEPS)
 
 
 def first_step_examples(run_info: dict, tokenizer, per_rank: int = 4) -> list[dict]:
@@ -158,11 +134,11 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
 def test_run_record_describes_the_run(run, run_info, tiny_llama2):
     from transformers import AutoConfig
 
-    from finetune_kit import architectures
-    from finetune_kit.run_record import RunRecord
+    from finetune_kit.models import shapes
+    from finetune_kit.results.record import RunRecord
 
     rec = RunRecord.read(run / "run_record.json")
-    arch = architectures.from_config(AutoConfig.from_pretrained(tiny_llama2))
+    arch = shapes.from_config(AutoConfig.from_pretrained(tiny_llama2))
     assert rec.recipe == "llama2-13b-zero2" and rec.model.params_total == arch.total_params()
     assert rec.model.params_trainable == arch.total_params()  # full fine-tuning
     assert (rec.hardware.devices, rec.hardware.nodes, rec.hardware.device) == (2, 1, "cpu")
@@ -179,7 +155,7 @@ def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_ll
     from transformers import AutoModelForCausalLM
 
     from finetune_kit import data, models
-    from finetune_kit.evaluation import token_loss_sums
+    from finetune_kit.training.evaluation import token_loss_sums
 
     tokenizer = models.load_tokenizer(str(tiny_llama2))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama2)  # bf16, as trained
@@ -228,11 +204,8 @@ def test_resume_reproduces_the_later_steps(run, recipe_copy, tiny_llama2, tmp_pa
     output = tmp_path / "resumed"
     proc = launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
                   "--save_steps", str(SAVE_EVERY), "--resume_from_checkpoint", str(run / f"checkpoint-{SAVE_EVERY}"))
-    check(proc, STEPS)
-    resumed = read_metrics(output)
-    assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
-    # same data order, optimizer, schedule and RNG: the losses of the uninterrupted run
-    assert [m["loss"] for m in resumed] == pytest.approx(losses(run)[SAVE_EVERY:], abs=1e-4)
+    assert_finished(proc, STEPS)
+    assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
 
 
 def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
@@ -242,7 +215,7 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune_kit import data
-    from finetune_kit.evaluation import token_loss_sums
+    from finetune_kit.training.evaluation import token_loss_sums
 
     saved = AutoModelForCausalLM.from_pretrained(run / "model")
     tokenizer = AutoTokenizer.from_pretrained(run / "model")
@@ -291,14 +264,6 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
     assert not get_accelerator().is_fp16_supported()  # why this test stops at the parser
 
 
-@pytest.fixture
-def train_main(monkeypatch):
-    """The recipe's main() in-process, as a launcher would start one rank (checks before any
-    process group is created)."""
-    monkeypatch.chdir(RECIPE)
-    return load_script(RECIPE / "train.py").main
-
-
 @pytest.mark.parametrize("case, pattern", [
     ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
     ("missing_fields", r"has no field 'response'"),
@@ -311,7 +276,7 @@ def train_main(monkeypatch):
                                r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
     ("micro_batch_contradicts_json", r"sets train_micro_batch_size_per_gpu = 4 .*--per_device_train_batch_size 1"),
 ])
-def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama2, tmp_path):
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama2, tmp_path):
     from finetune_kit.errors import UserInputError
 
     args = {"--deepspeed": "configs/zero2.json", "--model": str(tiny_llama2), "--data": str(SAMPLE),
@@ -341,5 +306,5 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, t
         (tmp_path / "out/checkpoint-4").mkdir(parents=True)
         (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
     with pytest.raises(UserInputError, match=pattern):
-        train_main([x for kv in args.items() for x in kv])
+        recipe_main(bad_input_args(args))
     assert case == "existing_checkpoints" or not (tmp_path / "out").exists()

@@ -12,21 +12,35 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SAMPLE, installed_package_location, load_script, read_metrics, write_jsonl
+from tests.conftest import write_jsonl
+from tests.harness import (
+    REPO,
+    SAMPLE,
+    accelerate_launch,
+    assert_failed_early,
+    assert_finished,
+    assert_matches_golden,
+    assert_ranks_disjoint,
+    assert_refused_to_overwrite,
+    assert_resumed_like_uninterrupted,
+    assert_throughput_metrics,
+    bad_input_args,
+    losses,
+    read_metrics,
+    read_run_info,
+)
 
 pytestmark = pytest.mark.recipe
 
 RECIPE = REPO / "recipes/llama3-8b-zero3"
 GOLDEN = REPO / "tests/golden/llama3-8b-zero3.json"
-LOSS_ATOL = 5e-3  # CPU bf16 kernels may round differently across CPU generations
+LAUNCH_ENV = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/zero3.json"}  # what accelerate launch passes
 STEPS, SAVE_EVERY = 8, 4
 
 
@@ -36,31 +50,20 @@ def sizes(model: Path) -> list[str]:
 
 
 def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int = 2):
-    cmd = ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), "train.py", *args]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
-    return proc
-
-
+    return accelerate_launch(cwd, *args, config=config, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
 def run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("runs") / "fresh"
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "done: 8 steps" in proc.stdout
+    assert_finished(launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                           "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0"), STEPS)
     return output
 
 
 @pytest.fixture(scope="module")
 def run_info(run) -> dict:
-    return json.loads((run / "run_info.json").read_text())
-
-
-def test_copied_recipe_uses_the_installed_package(recipe_copy):
-    where = installed_package_location(recipe_copy)
-    assert not where.is_relative_to(REPO / "shared"), where
+    return read_run_info(run)
 
 
 def test_run_info_records_the_memory_plan(run_info):
@@ -70,11 +73,7 @@ def test_run_info_records_the_memory_plan(run_info):
 
 
 def test_two_ranks_train_on_different_data(run_info):
-    assert run_info["world_size"] == 2
-    ids = {r["rank"]: set(r["example_ids"]) for r in run_info["ranks"]}
-    assert sorted(ids) == [0, 1]
-    assert ids[0] and ids[1] and not ids[0] & ids[1]
-    assert not (ids[0] | ids[1]) & set(run_info["eval_example_ids"])  # validation rows are held out
+    assert_ranks_disjoint(run_info)
 
 
 def test_zero3_partitions_parameters(run_info):
@@ -87,39 +86,31 @@ def test_zero3_partitions_parameters(run_info):
 
 
 def test_loss_falls(run):
-    losses = [m["loss"] for m in read_metrics(run)]
-    assert len(losses) == STEPS
-    assert sum(losses[-2:]) / 2 < losses[0] - 0.2, losses
+    got = losses(run)
+    assert len(got) == STEPS
+    assert sum(got[-2:]) / 2 < got[0] - 0.2, got
 
 
 def test_losses_match_golden(run):
-    losses = [m["loss"] for m in read_metrics(run)]
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"steps": STEPS, "atol": LOSS_ATOL, "losses": losses}, indent=2) + "\n")
-    golden = json.loads(GOLDEN.read_text())["losses"]
-    assert losses == pytest.approx(golden, abs=LOSS_ATOL)
+    assert_matches_golden(losses(run), GOLDEN, STEPS)
 
 
 def test_metrics_carry_throughput_and_memory(run):
-    for m in read_metrics(run):
-        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
-        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
-        assert 0 <= m["padding_fraction"] < 1 and m["model_tflop_per_s_per_device"] > 0
-        assert "mfu_percent" not in m  # a CPU has no bf16 peak to compare with
+    assert_throughput_metrics(run)
 
 
 def test_run_record_describes_the_run(run, tiny_llama3):
     from transformers import AutoConfig
 
-    from finetune_kit import architectures
-    from finetune_kit.flops import FlopCounter
-    from finetune_kit.run_record import RunRecord
+    from finetune_kit.metering.flops import FlopCounter
+    from finetune_kit.models import shapes
+    from finetune_kit.results.record import RunRecord
 
     rec = RunRecord.read(run / "run_record.json")
     assert rec.recipe == "llama3-8b-zero3"
     assert (rec.hardware.device, rec.hardware.devices, rec.hardware.nodes) == ("cpu", 2, 1)
     assert rec.hardware.peak_bf16_tflops_per_device is None and rec.measured.mfu_percent is None
-    arch = architectures.from_config(AutoConfig.from_pretrained(tiny_llama3))
+    arch = shapes.from_config(AutoConfig.from_pretrained(tiny_llama3))
     assert rec.model.params_total == rec.model.params_trainable == arch.total_params()
     assert (rec.training.zero_stage, rec.training.global_batch_size, rec.training.seq_len) == (3, 16, 128)
     m = rec.measured
@@ -130,7 +121,7 @@ def test_run_record_describes_the_run(run, tiny_llama3):
     per_token_min = FlopCounter(arch).per_token(8)
     assert m.model_tflop_per_s_per_device * 1e12 >= m.tokens_per_s_per_device * per_token_min * 0.99
     assert m.peak_host_rss_GiB_per_node > 0 and m.peak_gpu_allocated_GiB is None
-    plan = json.loads((run / "run_info.json").read_text())["memory_plan"]
+    plan = read_run_info(run)["memory_plan"]
     assert m.predicted_gpu_GiB == pytest.approx(plan["gpu_total_GiB"], abs=1e-3)  # the planner's, beside the peaks
 
 
@@ -142,7 +133,7 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     from transformers import AutoModelForCausalLM
 
     from finetune_kit import data, models
-    from finetune_kit.evaluation import token_loss_sums
+    from finetune_kit.training.evaluation import token_loss_sums
 
     saved = AutoModelForCausalLM.from_pretrained(run / "model")
     assert saved.dtype == torch.bfloat16
@@ -170,21 +161,15 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     output = tmp_path / "resumed"
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
                   "--save-every", str(SAVE_EVERY), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_finished(proc, STEPS)
     assert f"at step {SAVE_EVERY}" in proc.stdout
-    resumed = read_metrics(output)
-    assert [m["step"] for m in resumed] == list(range(SAVE_EVERY + 1, STEPS + 1))
-    # same data order, optimizer and schedule state: the same losses as the uninterrupted run
-    straight = read_metrics(run)[SAVE_EVERY:]
-    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in straight], abs=1e-4)
+    assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), "--max-steps", "2", nproc=1)
-    assert proc.returncode != 0
-    assert "already holds 2 checkpoint(s)" in proc.stderr and "--resume" in proc.stderr
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert_refused_to_overwrite(proc, run / "checkpoints", before)
 
 
 def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, tiny_llama3, tmp_path):
@@ -194,19 +179,8 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
     yaml_text = (recipe_copy / "configs/zero3.yaml").read_text().replace("configs/zero3.json", "configs/bad.json")
     (recipe_copy / "configs/bad.yaml").write_text(yaml_text)
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/bad.yaml")
-    assert proc.returncode != 0
-    assert "train_batch_size = 64" in proc.stderr and "= 16" in proc.stderr
-    assert "error: " in proc.stderr
-    assert "[rank0]: Traceback" not in proc.stderr  # the script exits with the message, no stack trace
+    assert_failed_early(proc, "train_batch_size = 64", "= 16")
     assert not (tmp_path / "out").exists()  # failed before anything was written
-
-
-@pytest.fixture
-def train_main(monkeypatch):
-    """The recipe's main() in-process, as accelerate launch would start it (one process)."""
-    monkeypatch.chdir(RECIPE)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
-    return load_script(RECIPE / "train.py").main
 
 
 @pytest.mark.parametrize("case, pattern", [
@@ -216,7 +190,7 @@ def train_main(monkeypatch):
     ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
     ("no_model", r"model path '/no/such/model' does not exist"),
 ])
-def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, tiny_llama3, tmp_path):
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path):
     from finetune_kit.errors import UserInputError
 
     args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "128",
@@ -232,5 +206,5 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, train_main, t
     elif case == "no_model":
         args["--model"] = "/no/such/model"
     with pytest.raises(UserInputError, match=pattern):
-        train_main([x for kv in args.items() for x in kv])
+        recipe_main(bad_input_args(args))
     assert not (tmp_path / "out").exists()

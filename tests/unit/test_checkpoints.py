@@ -1,7 +1,7 @@
 import pytest
 
-from finetune_kit import checkpoints
 from finetune_kit.errors import ConfigError
+from finetune_kit.training import checkpoints
 
 
 def make_ckpt(output, step, complete=True):

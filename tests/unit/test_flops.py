@@ -2,9 +2,9 @@
 
 import pytest
 
-from finetune_kit import architectures
-from finetune_kit.architectures import resolve_model
-from finetune_kit.flops import FlopCounter, mfu_percent, peak_tflops
+from finetune_kit.metering.flops import FlopCounter, mfu_percent, peak_tflops
+from finetune_kit.models import shapes
+from finetune_kit.models.shapes import resolve_model
 
 LLAMA3_8B = resolve_model("llama3-8b")
 
@@ -55,7 +55,7 @@ def test_counts_from_a_config_match_the_model_built_from_it(family, request):
 
     config = AutoConfig.from_pretrained(request.getfixturevalue(f"tiny_{family}"))
     model = AutoModelForCausalLM.from_config(config)
-    arch = architectures.from_config(config)
+    arch = shapes.from_config(config)
     assert arch.total_params() == sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
     assert arch.matmul_params() == sum(p.numel() for p in model.parameters()) - embedding + (
@@ -99,8 +99,8 @@ def test_a_config_of_a_known_shape_is_named_after_it():
 
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
-    assert architectures.from_config(config).name == "llama3-8b"
+    assert shapes.from_config(config).name == "llama3-8b"
     config.max_position_embeddings = 131072
-    assert architectures.from_config(config).name == "llama3.1-8b"
+    assert shapes.from_config(config).name == "llama3.1-8b"
     small = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    assert architectures.from_config(small).name == "llama (2 layers, hidden 64)"
+    assert shapes.from_config(small).name == "llama (2 layers, hidden 64)"

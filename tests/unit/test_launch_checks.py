@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune_kit import launch_checks
 from finetune_kit.errors import ConfigError
+from finetune_kit.launch import checks, env
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE_CONFIGS = sorted((REPO / "recipes").glob("*/configs/*.json"))
@@ -14,12 +14,12 @@ ACCELERATE_YAMLS = sorted((REPO / "recipes").glob("*/configs/*.yaml"))
 
 def test_auto_values_always_pass():
     cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
-    launch_checks.check_batch_sizes(cfg, micro_batch_size=3, grad_accum=5, world=7)
+    checks.check_batch_sizes(cfg, micro_batch_size=3, grad_accum=5, world=7)
 
 
 def test_consistent_fixed_values_pass():
     cfg = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
-    launch_checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
+    checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
 
 
 @pytest.mark.parametrize("cfg, pattern", [
@@ -29,19 +29,19 @@ def test_consistent_fixed_values_pass():
 ])
 def test_contradictions_name_both_values(cfg, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        launch_checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
+        checks.check_batch_sizes(cfg, micro_batch_size=4, grad_accum=2, world=8)
 
 
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        launch_checks.load_deepspeed_config(tmp_path / "x.json")
+        checks.load_deepspeed_config(tmp_path / "x.json")
 
 
 def test_launched_config_comes_from_accelerate_env(monkeypatch):
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
-    assert launch_checks.launched_deepspeed_config() is None
+    assert env.launched_deepspeed_config() is None
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/zero3.json")
-    assert launch_checks.launched_deepspeed_config() == Path("configs/zero3.json")
+    assert env.launched_deepspeed_config() == Path("configs/zero3.json")
 
 
 def fill_auto(cfg: dict, hidden: int = 4096) -> dict:
@@ -96,7 +96,7 @@ def trainer_args(**overrides) -> dict:
 def test_trainer_agreement_passes_auto_and_equal_values():
     cfg = {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0,
            "bf16": {"enabled": True}, "optimizer": {"params": {"lr": "auto"}}}
-    launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8)
+    checks.check_trainer_agreement(cfg, trainer_args(), world=8)
 
 
 @pytest.mark.parametrize("cfg, pattern", [
@@ -110,7 +110,7 @@ def test_trainer_agreement_passes_auto_and_equal_values():
 ])
 def test_trainer_contradictions_name_the_flag(cfg, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        launch_checks.check_trainer_agreement(cfg, trainer_args(), world=8, source="zero2.json")
+        checks.check_trainer_agreement(cfg, trainer_args(), world=8, source="zero2.json")
 
 
 def test_what_transformers_noted_is_raised_early():
@@ -119,15 +119,15 @@ def test_what_transformers_noted_is_raised_early():
     noted = ["- ds optimizer.params.betas=[0.9, 0.95] vs hf adam_beta1+adam_beta2=[0.9, 0.999]"]
     args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=noted))
     with pytest.raises(ConfigError, match=r"contradicts the command line:\n- ds optimizer.params.betas"):
-        launch_checks.check_trainer_mismatches(args)
-    launch_checks.check_trainer_mismatches(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=[])))
+        checks.check_trainer_mismatches(args)
+    checks.check_trainer_mismatches(SimpleNamespace(hf_deepspeed_config=SimpleNamespace(mismatches=[])))
 
 
 def test_precision_follows_the_json():
-    assert launch_checks.precision_flags({"bf16": {"enabled": True}}) == {"bf16": True, "fp16": False}
-    assert launch_checks.precision_flags({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == {
+    assert checks.precision_flags({"bf16": {"enabled": True}}) == {"bf16": True, "fp16": False}
+    assert checks.precision_flags({"fp16": {"enabled": True}, "bf16": {"enabled": False}}) == {
         "bf16": False, "fp16": True}
-    assert launch_checks.precision_flags({"bf16": {"enabled": "auto"}}) == {"bf16": False, "fp16": False}
+    assert checks.precision_flags({"bf16": {"enabled": "auto"}}) == {"bf16": False, "fp16": False}
 
 
 def test_every_recipe_json_is_checked():

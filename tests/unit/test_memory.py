@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from finetune_kit import memory
-from finetune_kit.architectures import resolve_model
 from finetune_kit.errors import ConfigError
-from finetune_kit.memory import Adapter, GiB, Setup, activation_bytes, plan
+from finetune_kit.models.shapes import resolve_model
+from finetune_kit.planning import memory
+from finetune_kit.planning.memory import Adapter, GiB, Setup, activation_bytes, plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}
@@ -34,7 +34,7 @@ def test_zero2_model_states_equal_deepspeed(arch, nodes, gpus_per_node, offload)
     assert ours == theirs
     p = plan(arch, Setup(stage=2, nodes=nodes, gpus_per_node=gpus_per_node, offload_optimizer=offload))
     key = "model states (DeepSpeed estimate)"
-    assert (p.cpu_parts[key], p.gpu_parts[key]) == theirs
+    assert (p.host_parts[key], p.gpu_parts[key]) == theirs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -136,7 +136,7 @@ QLORA_TOLERANCE = 0.20
 
 
 def test_qlora_70b_on_two_40gb_gpus_matches_peft_guide():
-    setup = Setup(nodes=1, gpus_per_node=2, gpu_memory_gib=40, stage=3, micro_batch=2, seq_len=2048,
+    setup = Setup(nodes=1, gpus_per_node=2, gpu_memory_GiB=40, stage=3, micro_batch=2, seq_len=2048,
                   gradient_checkpointing=True, adapter=Adapter(rank=8, targets="all-linear", quantized=True))
     p = plan("llama2-70b", setup)
     assert p.gpu_bytes / 1e9 == pytest.approx(QLORA_70B_PUBLISHED_GB, rel=QLORA_TOLERANCE)
@@ -235,7 +235,7 @@ def test_checkpointing_gqa_and_vocab_reduce_activations():
 
 # ---- verdict and suggestion ----
 def test_full_8b_on_one_80gb_gpu_suggests_optimizer_offload():
-    p = plan("llama3-8b", Setup(nodes=1, gpus_per_node=1, gpu_memory_gib=80, micro_batch=4))
+    p = plan("llama3-8b", Setup(nodes=1, gpus_per_node=1, gpu_memory_GiB=80, micro_batch=4))
     assert p.fits is False
     assert "does not fit" in p.verdict() and "of 80" in p.verdict()
     fix = memory.suggest("llama3-8b", p.setup)
@@ -246,17 +246,17 @@ def test_full_8b_on_one_80gb_gpu_suggests_optimizer_offload():
 def test_suggestion_prefers_cheap_changes():
     # 8B with offload on a 24 GB GPU: a smaller micro-batch is enough; no parameter offload.
     s = memory.setup_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-                                    gpus_per_node=1, gpu_memory_gib=24, micro_batch=4)
+                                    gpus_per_node=1, gpu_memory_GiB=24, micro_batch=4)
     fix = memory.suggest("llama3-8b", s)
     assert fix.setup.micro_batch < 4 and not fix.setup.offload_param
     # ZeRO-2 13B on 8 x 40 GB: ZeRO-3 (cost 2) beats offloading the optimizer (cost 5).
-    z2 = Setup(stage=2, gpus_per_node=8, gpu_memory_gib=40, micro_batch=1)
+    z2 = Setup(stage=2, gpus_per_node=8, gpu_memory_GiB=40, micro_batch=1)
     assert plan("llama2-13b", z2).fits is False
     assert memory.suggest("llama2-13b", z2).setup.stage == 3
 
 
 def test_host_memory_is_checked_when_given():
-    s = Setup(gpus_per_node=1, offload_optimizer=True, micro_batch=1, cpu_memory_gib=64)
+    s = Setup(gpus_per_node=1, offload_optimizer=True, micro_batch=1, host_memory_GiB=64)
     p = plan("llama3-8b", s)
     assert p.fits is False and "host RAM" in p.verdict()
 
@@ -268,23 +268,23 @@ DS_ZERO3 = {"zero_optimization": {"stage": 3}}
 def test_preflight_raises_with_numbers_and_fix():
     with pytest.raises(ConfigError) as err:
         memory.preflight("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
-                         gradient_checkpointing=True, gpu_memory_gib=80)
+                         gradient_checkpointing=True, gpu_memory_GiB=80)
     text = str(err.value)
     assert "164.5 GiB per GPU of 80" in text and "84.5 GiB short" in text
     assert '"offload_optimizer": {"device": "cpu"' in text and "--skip-memory-check" in text
 
 
 def test_preflight_skip_logs_instead_of_raising(caplog):
-    with caplog.at_level(logging.INFO, logger="finetune_kit.memory"):
+    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
         p = memory.preflight("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
-                             gradient_checkpointing=True, gpu_memory_gib=80, skip=True)
+                             gradient_checkpointing=True, gpu_memory_GiB=80, skip=True)
     assert p.fits is False and "does not fit" in caplog.text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with caplog.at_level(logging.INFO, logger="finetune_kit.memory"):
+    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
         p = memory.preflight("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=False)
     assert p.fits is None and p.setup.gpus == 2 and "not checked" in caplog.text
@@ -295,10 +295,10 @@ def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
 def test_preflight_reads_the_zero2_trainer_and_qlora_cases():
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
     p = memory.preflight("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
-                         gradient_checkpointing=True, gpu_memory_gib=80,
+                         gradient_checkpointing=True, gpu_memory_GiB=80,
                          flags={"micro_batch": "--per_device_train_batch_size"})
     assert p.setup.stage == 2 and p.setup.offload_optimizer
     q = memory.preflight("llama3.3-70b", {"zero_optimization": {"stage": 3}}, world_size=8, gpus_per_node=4,
                          micro_batch=1, seq_len=4096, gradient_checkpointing=True, adapter=Adapter(rank=16),
-                         num_labels=3, gpu_memory_gib=80)
+                         num_labels=3, gpu_memory_GiB=80)
     assert q.setup.nodes == 2 and q.fits

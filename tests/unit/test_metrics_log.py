@@ -1,6 +1,6 @@
 import json
 
-from finetune_kit import metrics_log
+from finetune_kit.metering import metrics_log
 
 
 class FakeWriter:

@@ -2,19 +2,19 @@ import json
 
 import pytest
 
-from finetune_kit import models
 from finetune_kit.errors import ConfigError
+from finetune_kit.models import loading
 
 
 def test_llama3_pad_is_reserved_token_not_eos(tiny_llama3):
-    tok = models.load_tokenizer(str(tiny_llama3))
+    tok = loading.load_tokenizer(str(tiny_llama3))
     assert tok.pad_token == "<|finetune_right_pad_id|>"
     assert tok.pad_token_id != tok.eos_token_id
     assert tok.padding_side == "right"
 
 
 def test_llama2_pad_is_unk(tiny_llama2):
-    tok = models.load_tokenizer(str(tiny_llama2))
+    tok = loading.load_tokenizer(str(tiny_llama2))
     assert tok.pad_token == "<unk>" and tok.pad_token_id != tok.eos_token_id
 
 
@@ -24,23 +24,23 @@ def test_pad_added_as_last_resort(tiny_llama2):
     tok = AutoTokenizer.from_pretrained(str(tiny_llama2))
     tok.unk_token = None
     n = len(tok)
-    assert models.ensure_pad_token(tok) == "<pad>"
+    assert loading.ensure_pad_token(tok) == "<pad>"
     assert len(tok) == n + 1
 
 
 def test_missing_model_path():
     with pytest.raises(ConfigError, match=r"model path '/no/such/model' does not exist"):
-        models.load_config("/no/such/model")
+        loading.load_config("/no/such/model")
 
 
 def test_folder_without_config(tmp_path):
     with pytest.raises(ConfigError, match=r"has no config.json"):
-        models.load_config(str(tmp_path))
+        loading.load_config(str(tmp_path))
 
 
 def test_seq_len_above_model_limit(tiny_llama3):
-    config = models.load_config(str(tiny_llama3))
+    config = loading.load_config(str(tiny_llama3))
     limit = json.loads((tiny_llama3 / "config.json").read_text())["max_position_embeddings"]
-    models.check_seq_len(limit, config, "tiny")
+    loading.check_seq_len(limit, config, "tiny")
     with pytest.raises(ConfigError, match=rf"--max-seq-len {limit + 1} is above.*{limit}"):
-        models.check_seq_len(limit + 1, config, "tiny")
+        loading.check_seq_len(limit + 1, config, "tiny")

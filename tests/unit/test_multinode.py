@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.multinode import check_pair, load_launch_config
-from tests.conftest import REPO
+from finetune_kit.launch.multinode import check_pair, load_launch_config
+from tests.harness import REPO
 
 CONFIGS = REPO / "recipes/llama3-70b-qlora/configs"
 

@@ -1,4 +1,5 @@
-"""The planner's command line and the generated README memory tables."""
+"""The planner's command line and the 8B recipe's start-up memory check. (The README tables it feeds:
+tests/unit/test_readmes.py.)"""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import sys
 
 import pytest
 
-from finetune_kit import plan as plan_cli
 from tests.conftest import REPO
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune_kit.plan", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "finetune_kit.planning", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=60)
 
 
@@ -41,7 +41,7 @@ def test_cli_qlora_sequence_classification_fits():
 
 def test_planner_needs_neither_torch_nor_deepspeed():
     """`make plan` runs with a bare Python: the planner imports no heavy library."""
-    code = "import sys, finetune_kit.plan; print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))"
+    code = "import sys, finetune_kit.planning; print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert proc.stdout.strip() == "[]"
 
@@ -58,37 +58,10 @@ def test_recipe_plan_prints_every_setup():
     assert proc.stdout.count("verdict:") == len(spec["setups"])
 
 
-@pytest.mark.parametrize("recipe", plan_cli.recipes_with_plans(REPO), ids=lambda p: p.name)
-def test_committed_readme_tables_equal_the_generator(recipe):
-    assert not plan_cli.update_readme(recipe, check=True), (
-        f"{recipe / 'README.md'} memory table is out of date: run `make memory-tables` and commit it")
-
-
-def test_every_recipe_has_a_memory_plan():
-    with_plans = {p.name for p in plan_cli.recipes_with_plans(REPO)}
-    assert "llama3-8b-zero3" in with_plans
-
-
-def test_update_readmes_rewrites_only_the_marked_block(tmp_path):
-    recipe = tmp_path / "recipes" / "demo"
-    (recipe / "configs").mkdir(parents=True)
-    (recipe / "configs/z2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    (recipe / "memory_plan.json").write_text(json.dumps({
-        "model": "llama2-13b", "micro_batch": 1, "seq_len": 4096, "gradient_checkpointing": True,
-        "setups": [{"label": "8 x 80", "config": "configs/z2.json", "gpus_per_node": 8, "gpu_memory_gib": 80}]}))
-    (recipe / "README.md").write_text(f"intro\n{plan_cli.BEGIN}\nstale\n{plan_cli.END}\noutro\n")
-    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path), "--check"]) == 1
-    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path)]) == 0
-    text = (recipe / "README.md").read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
-    assert "| 8 x 80 | `configs/z2.json` | 1 x 4096 |" in text
-    assert plan_cli.main(["--update-readmes", "--root", str(tmp_path), "--check"]) == 0
-
-
 # ---- the 8B recipe's start-up check (phase 1: no process group, data or weights) ----
 @pytest.fixture()
 def real_8b_config(tmp_path):
-    from finetune_kit.architectures import KNOWN_MODELS
+    from finetune_kit.models.shapes import KNOWN_MODELS
 
     folder = tmp_path / "llama3-8b-config-only"
     folder.mkdir()
@@ -97,14 +70,14 @@ def real_8b_config(tmp_path):
 
 
 def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
-    from finetune_kit import memory
+    from finetune_kit.planning import memory
     from tests.conftest import load_script
 
     recipe = REPO / "recipes/llama3-8b-zero3"
     monkeypatch.chdir(recipe)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(memory, "local_gpu_memory_gib", lambda: 80.0)  # as on one 80 GB GPU
+    monkeypatch.setattr(memory, "local_gpu_memory_GiB", lambda: 80.0)  # as on one 80 GB GPU
     train = load_script(recipe / "train.py")
     return train.main(["--model", str(model), "--data", "missing.jsonl", *extra])
 

@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from finetune_kit import report
-from tests.conftest import REPO
+from finetune_kit.results import report
+from tests.harness import REPO
 from tests.unit.test_run_record import a_record
 
 RESULTS = REPO / "results"
@@ -29,9 +29,9 @@ def test_published_rows_get_per_gpu_rates_and_mfu_from_one_formula():
     lines, rows = report.published_rows(RESULTS / "published.csv")
     by_label = {r.label: r for r in rows}
     qlora = next(r for label, r in by_label.items() if label.startswith("llama2-70b"))
-    assert qlora.tokens_per_s_per_gpu == pytest.approx(1024 * 2048 / 667 / 4)  # samples x tokens / s / GPUs
+    assert qlora.tokens_per_s_per_device == pytest.approx(1024 * 2048 / 667 / 4)  # samples x tokens / s / GPUs
     seed_13b = next(r for label, r in by_label.items() if label.startswith("llama-13b"))
-    assert seed_13b.tokens_per_s_per_gpu == 3500 / 8
+    assert seed_13b.tokens_per_s_per_device == 3500 / 8
     foundry = next(r for label, r in by_label.items() if label.startswith("mpt-7b"))
     assert foundry.mfu == pytest.approx(46.44, abs=0.1)  # the source's own MFU, recomputed
     assert all(r.mfu is not None and not r.measured for r in rows)
@@ -51,7 +51,7 @@ def test_gpu_runs_and_cpu_smoke_runs_are_kept_apart(monkeypatch, tmp_path):
     page, rows = report.render(results)
     measured = [r for r in rows if r.measured]
     assert [r.label.split(" · ")[0] for r in measured] == ["llama3-8b-h100"]  # the smoke run is no bar
-    assert measured[0].tokens_per_s_per_gpu == 2_000
+    assert measured[0].tokens_per_s_per_device == 2_000
     gpu_section = page.split("## Measured on GPUs")[1].split("## CPU smoke runs")[0]
     smoke_section = page.split("## CPU smoke runs")[1]
     assert "`llama3-8b-h100`" in gpu_section and "llama3-8b-cpu" not in gpu_section
@@ -59,3 +59,11 @@ def test_gpu_runs_and_cpu_smoke_runs_are_kept_apart(monkeypatch, tmp_path):
     assert "| 2,000 |" in gpu_section  # tokens/s per GPU
     report.generate(results, results)
     assert (results / "throughput.png").stat().st_size > 10_000
+
+
+def test_check_finds_results_from_any_folder_in_the_repository(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(REPO / "recipes/llama3-8b-zero3")
+    assert report.main(["--check"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert report.main(["--check"]) == 2
+    assert "pass --results" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_kit import reviews
+from finetune_kit.data import reviews
 from finetune_kit.errors import DataError
 
 

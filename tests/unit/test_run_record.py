@@ -5,22 +5,22 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from finetune_kit import run_record
-from finetune_kit.architectures import resolve_model
-from finetune_kit.flops import FlopCounter
-from finetune_kit.throughput import ThroughputMeter
+from finetune_kit.metering.flops import FlopCounter
+from finetune_kit.metering.throughput import ThroughputMeter
+from finetune_kit.models.shapes import resolve_model
+from finetune_kit.results import record
 
 DS = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
 
 
 def a_record(monkeypatch, tmp_path, steps=5):
     clock = iter(range(100))
-    monkeypatch.setattr("finetune_kit.throughput.time.perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr("finetune_kit.metering.throughput.time.perf_counter", lambda: float(next(clock)))
     meter = ThroughputMeter(num_devices=8, peak_tflops=989.0)
     for _ in range(steps):
         meter.step(tokens=16_000, padded_tokens=16_384, flops=16_000 * 48.25e9)
     arch = resolve_model("llama3-8b")
-    return run_record.for_training_run(
+    return record.for_training_run(
         recipe="llama3-8b-zero3", model_name="meta-llama/Meta-Llama-3-8B", arch=arch,
         flop_counter=FlopCounter(arch), params_trainable=arch.total_params(), ds_config=DS,
         script_args={"lr": 2e-5}, world=8, nodes=1, meter=meter, warmup_steps=2,
@@ -51,8 +51,8 @@ def test_record_round_trips_through_json(monkeypatch, tmp_path):
     rec = a_record(monkeypatch, tmp_path)
     path = rec.write(tmp_path / "runs/r.json")
     data = json.loads(path.read_text())
-    assert data["schema"] == run_record.SCHEMA and "schema_" not in data
-    assert run_record.RunRecord.read(path) == rec
+    assert data["schema"] == record.SCHEMA and "schema_" not in data
+    assert record.RunRecord.read(path) == rec
 
 
 @pytest.mark.parametrize("change, error", [
@@ -67,20 +67,20 @@ def test_schema_rejects_malformed_records(monkeypatch, tmp_path, change, error):
     change(data)
     path.write_text(json.dumps(data))
     with pytest.raises(error):
-        run_record.RunRecord.read(path)
+        record.RunRecord.read(path)
 
 
 def test_config_hash_changes_with_the_configuration():
-    same = run_record.config_hash(DS, {"lr": 2e-5})
-    assert same == run_record.config_hash(json.loads(json.dumps(DS)), {"lr": 2e-5})
-    assert same != run_record.config_hash(DS, {"lr": 1e-5})
+    same = record.config_hash(DS, {"lr": 2e-5})
+    assert same == record.config_hash(json.loads(json.dumps(DS)), {"lr": 2e-5})
+    assert same != record.config_hash(DS, {"lr": 1e-5})
     assert len(same) == 16
 
 
 def test_git_commit_of_this_checkout():
-    from tests.conftest import REPO
+    from tests.harness import REPO
 
-    commit = run_record.git_commit(REPO)
+    commit = record.git_commit(REPO)
     if commit != "unknown":  # an exported tree has no git metadata
         assert len(commit.removesuffix("+dirty")) == 40
 
@@ -91,4 +91,25 @@ def test_git_commit_of_this_checkout():
     ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}, "optimizer+params"),
 ])
 def test_offload_description(zero, offload):
-    assert run_record.offload_of({"zero_optimization": zero}) == offload
+    assert record.offload_of({"zero_optimization": zero}) == offload
+
+
+def run_info(**overrides) -> dict:
+    fields = dict(recipe="llama3-8b-zero3", model="tiny", world_size=2, nodes=1, zero_stage=3, precision="bf16",
+                  deepspeed_config="configs/zero3.json", steps=8, total_steps=8, resumed_from="",
+                  train_examples=300, eval_example_ids=[3, 9], max_seq_len=128, micro_batch_size=4, grad_accum=2,
+                  saved_to="out/model", peak_memory={"host_rss_GiB": 1.2}, memory_plan={"fits": None},
+                  ranks=[{"rank": 0}, {"rank": 1}], finished_at="2026-01-01T00:00:00+0000")
+    return {**fields, **overrides}
+
+
+def test_run_info_has_one_schema_for_every_recipe(tmp_path):
+    """One shape for all recipes: the common facts by name, anything recipe-specific under details."""
+    info = record.RunInfo(**run_info(eval_loss=0.5, details={"lora": {"rank": 8}}))
+    written = json.loads(info.write(tmp_path / "run_info.json").read_text())
+    assert written["schema"] == record.RUN_INFO_SCHEMA
+    assert written["details"] == {"lora": {"rank": 8}} and written["eval_accuracy"] is None
+    with pytest.raises(ValidationError):
+        record.RunInfo(**run_info(parameter_classes={}))  # a recipe-specific key outside details
+    with pytest.raises(ValidationError):
+        record.RunInfo(**{k: v for k, v in run_info().items() if k != "saved_to"})

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune_kit.architectures import ModelShape
-from finetune_kit.flops import FlopCounter
-from finetune_kit.step_report import StepReport
+from finetune_kit.metering.flops import FlopCounter
+from finetune_kit.metering.step_report import StepReport
+from finetune_kit.models.shapes import ModelShape
 
 TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from finetune_kit import throughput
-from finetune_kit.architectures import ModelShape
-from finetune_kit.flops import FlopCounter
+from finetune_kit.metering import throughput
+from finetune_kit.metering.flops import FlopCounter
+from finetune_kit.models.shapes import ModelShape
 
 TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
@@ -63,17 +63,3 @@ def test_summary_is_the_median_after_warmup(monkeypatch):
     assert summary["median_tokens_per_s"] == 100.0
     assert "median_mfu_percent" not in summary
     assert meter.summary(warmup_steps=5) == {"steps_measured": 0, "warmup_steps_excluded": 5}
-
-
-def test_peak_memory_reports_host_rss_in_gib():
-    mem = throughput.peak_memory_gib()
-    assert 0.01 < mem["host_rss_GiB"] < 64
-
-
-def test_progress_postfix_shows_units_and_mfu_only_when_known():
-    cpu = {"loss": 2.0, "lr": 1e-4, "tokens_per_s": 1234.5, "model_tflop_per_s_per_device": 0.00123,
-           "host_rss_GiB": 1.5}
-    assert throughput.progress_postfix(cpu) == ("loss=2.0000, lr=1.00e-04, tok/s=1,234, TFLOP/s/dev=0.00123, "
-                                                "peak_mem=1.5GiB")
-    gpu = {**cpu, "mfu_percent": 41.26, "gpu_reserved_GiB": 70.2}
-    assert throughput.progress_postfix(gpu).endswith("mfu=41.3%, peak_mem=70.2GiB")

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune_kit import distributed
-from finetune_kit.architectures import ModelShape
-from finetune_kit.flops import FlopCounter
-from finetune_kit.metrics_log import MetricsLog
-from finetune_kit.throughput import StepTally, ThroughputMeter
-from finetune_kit.trainer_metrics import MeteringCallback
+from finetune_kit.launch import accelerator as distributed
+from finetune_kit.metering.flops import FlopCounter
+from finetune_kit.metering.metrics_log import MetricsLog
+from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+from finetune_kit.models.shapes import ModelShape
+from finetune_kit.training.trainer import MeteringCallback
 
 TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
@@ -19,7 +19,7 @@ TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 def fake_trainer(monkeypatch, tmp_path, main=True):
     clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr("finetune_kit.throughput.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("finetune_kit.metering.throughput.time.perf_counter", lambda: next(clock))
     trainer = SimpleNamespace(tally=StepTally(FlopCounter(TINY)), meter=ThroughputMeter(2), accelerator=None)
     return trainer, MeteringCallback(trainer, MetricsLog(tmp_path, enabled=main))
 
@@ -47,7 +47,7 @@ def test_one_line_per_logged_step_with_the_8b_names(monkeypatch, tmp_path):
     assert rec["tokens_per_s_per_device"] == pytest.approx(rec["tokens_per_s"] / 2)
     flops = 5 * FlopCounter(TINY).per_token(4)
     assert rec["model_tflop_per_s_per_device"] == pytest.approx(flops / rec["step_time_s"] / 2 / 1e12)
-    assert "tokens_per_s" in logs and "peak_mem_GiB" in logs  # shown on the Trainer's own log line
+    assert "tokens_per_s" in logs and "host_rss_GiB" in logs  # on the Trainer's log line, metrics.jsonl names
     assert [r.tokens for r in trainer.meter.history] == [5, 2]  # every step is metered, logged or not
 
 

@@ -1,0 +1,61 @@
+"""Build the ``Accelerator`` for a recipe; the one place that knows about CPU-only runs.
+
+On GPUs this is a plain ``Accelerator(...)``: everything comes from the accelerate YAML
+and its DeepSpeed JSON. On a machine without GPUs (CI, ``make demo``), accelerate under
+DeepSpeed reports ``num_processes == 1`` on every rank unless the process group is
+created with the gloo backend: the ranks would then silently train as independent
+single-process jobs. Passing ``InitProcessGroupKwargs(backend="gloo")`` fixes it.
+
+Recipes driven by the Hugging Face ``Trainer`` meet the same trap one level up:
+``TrainingArguments`` builds its own accelerate state. ``trainer_cpu_overrides()`` is their
+fix, again a no-op on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from finetune_kit.launch import env
+
+# DeepSpeed 0.19 calls torch's deprecated collective names on every step; the warning is
+# repeated per rank per step and says nothing the user can act on.
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`"
+)
+
+
+def on_cpu_only() -> bool:
+    return not torch.cuda.is_available()
+
+
+def make_accelerator(**kwargs) -> Accelerator:
+    """``Accelerator(**kwargs)``, with the gloo process group on CPU-only machines
+    when a launcher started several processes."""
+    if on_cpu_only() and env.world_size() > 1:
+        handlers = list(kwargs.pop("kwargs_handlers", []) or [])
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        kwargs["kwargs_handlers"] = handlers
+    return Accelerator(**kwargs)
+
+
+def trainer_cpu_overrides() -> dict:
+    """TrainingArguments overrides for DeepSpeed under the HF Trainer, launched on a CPU-only
+    machine; ``{}`` on GPUs or without a launcher. Call it before building TrainingArguments.
+
+    Left alone, TrainingArguments resets the accelerate state, fills DeepSpeed's batch size
+    for world size 1 and refuses bf16 without a GPU. A gloo ``PartialState`` created first and
+    kept (``use_configured_state``) gives the real world size; ``use_cpu`` lets the bf16 of the
+    DeepSpeed JSON through, and DeepSpeed stays on because the configured state is a DeepSpeed one.
+    """
+    if not on_cpu_only() or not env.launched():
+        return {}
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return {"use_cpu": True, "accelerator_config": {"use_configured_state": True}}

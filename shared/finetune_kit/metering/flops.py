@@ -1,0 +1,91 @@
+"""Model FLOPs per token and the peak they are compared with (MFU), one formula for every run.
+
+Full fine-tuning (PaLM, Chowdhery et al. 2022, appendix B; torchtitan ``get_num_flop_per_token``)::
+
+    flops/token = 6 * N + 12 * L * H * Q * T
+
+N: parameters that multiply every token (all but the input embedding lookup: the output
+head counts, tied or not; see ``ModelShape.matmul_params``), L layers, H attention heads,
+Q head dimension, T sequence length. 6N is forward (2N) plus backward (4N: gradients with
+respect to activations and to weights); 12LHQT is the attention scores and their use
+(QK^T and AV), forward and backward, which have no weights.
+
+Frozen base (LoRA / QLoRA): a frozen weight needs no weight gradient, so its backward costs
+2N instead of 4N::
+
+    flops/token = 4 * N_frozen + 6 * N_trainable + 12 * L * H * Q * T
+
+These are *model* FLOPs: recomputation from activation checkpointing and 4-bit dequantisation
+are not counted, so MFU compares runs by useful work only. Only real (non-padding) tokens are
+counted; T is the padded length the attention actually ran at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune_kit.models.shapes import ModelShape
+
+# Dense bf16 tensor-core peak per device, TFLOP/s (datasheets, without sparsity).
+PEAK_BF16_TFLOPS = {
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H200": 989.0,
+    "A100": 312.0,
+}
+
+
+def device_name() -> str:
+    """``torch.cuda.get_device_name()``, or "cpu" without a GPU."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    """Peak for a ``torch.cuda.get_device_name()`` string; None for CPUs and unknown devices."""
+    if not device_name:
+        return None
+    name = device_name.upper()
+    if "H200" in name:
+        return PEAK_BF16_TFLOPS["H200"]
+    if "H100" in name:
+        return PEAK_BF16_TFLOPS["H100 PCIe" if "PCIE" in name else "H100 SXM"]
+    if "A100" in name:
+        return PEAK_BF16_TFLOPS["A100"]
+    return None
+
+
+@dataclass(frozen=True)
+class FlopCounter:
+    """FLOPs per real token for one model and training method.
+
+    ``trainable``: parameters being trained. None means full fine-tuning (all of N trains);
+    a number (LoRA weights, plus the head when ``head_trainable``) selects the frozen-base
+    formula, where the head then counts as trainable instead of frozen.
+    """
+
+    arch: ModelShape
+    num_labels: int | None = None  # sequence classification: a num_labels x hidden head
+    trainable: int | None = None
+    head_trainable: bool = False
+
+    @property
+    def method(self) -> str:
+        return "full: 6N + 12LHQT" if self.trainable is None else "frozen base: 4N + 6N_trainable + 12LHQT"
+
+    def per_token(self, seq_len: int) -> float:
+        a = self.arch
+        n = a.matmul_params(self.num_labels)
+        attention = 12 * a.num_hidden_layers * a.num_attention_heads * a.dim_per_head * seq_len
+        if self.trainable is None:
+            return 6 * n + attention
+        frozen = n - (self.arch.head_params(self.num_labels) if self.head_trainable else 0)
+        return 4 * frozen + 6 * self.trainable + attention
+
+    def batch(self, real_tokens: int, seq_len: int) -> float:
+        return real_tokens * self.per_token(seq_len)
+
+
+def mfu_percent(tflop_per_s_per_device: float, peak: float | None) -> float | None:
+    return None if not peak else 100.0 * tflop_per_s_per_device / peak

@@ -1,0 +1,70 @@
+"""Every metric's key and unit, defined once.
+
+metrics.jsonl, the progress bar, the Trainer's log line, ``run_info.json``, ``run_record.json``
+and results/ all take their names from here. A key carries its unit (``_s`` seconds,
+``_GiB`` 2**30 bytes, ``_percent``, ``per_s``); ``label`` is the short form for a progress
+bar or a table header. Peaks in the run record are ``peak_`` + key (+ a scope suffix such as
+``_per_node``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    unit: str
+    label: str
+    description: str
+
+    def __str__(self) -> str:
+        return self.key
+
+
+STEP = Metric("step", "optimizer steps", "step", "optimizer steps taken so far")
+EPOCH = Metric("epoch", "epochs", "epoch", "passes over the training data (fractional in the Trainer)")
+LOSS = Metric("loss", "nats/token", "loss", "training loss of the step, averaged over micro-batches and ranks")
+LR = Metric("lr", "1", "lr", "learning rate the step trained with")
+TOKENS = Metric("tokens", "tokens", "tokens", "real (non-padding) tokens in the step, all ranks")
+PADDING_FRACTION = Metric("padding_fraction", "1", "padding", "padded slots / all slots in the step's batches")
+STEP_TIME = Metric("step_time_s", "s", "s/step", "wall-clock time of the step")
+TOKENS_PER_S = Metric("tokens_per_s", "tokens/s", "tok/s", "real tokens per second, all ranks")
+TOKENS_PER_S_PER_DEVICE = Metric("tokens_per_s_per_device", "tokens/s", "tok/s/dev",
+                                 "real tokens per second per device (GPU, or CPU rank)")
+TFLOPS_PER_DEVICE = Metric("model_tflop_per_s_per_device", "TFLOP/s", "TFLOP/s/dev",
+                           "model FLOPs (metering.flops) per second per device")
+MFU = Metric("mfu_percent", "%", "mfu", "model FLOPs utilisation against the dense bf16 peak (GPUs only)")
+GPU_ALLOCATED = Metric("gpu_allocated_GiB", "GiB", "gpu_allocated", "peak memory of live tensors (torch allocator)")
+GPU_RESERVED = Metric("gpu_reserved_GiB", "GiB", "gpu_reserved", "peak memory the torch allocator held from the GPU")
+HOST_RSS = Metric("host_rss_GiB", "GiB", "host_rss", "peak resident set size of the process")
+
+# metrics.jsonl columns, in order; absent ones (MFU on CPU, GPU memory without CUDA) are left out.
+STEP_METRICS = (STEP, EPOCH, LOSS, LR, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
+                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, HOST_RSS)
+MEMORY = (GPU_ALLOCATED, GPU_RESERVED, HOST_RSS)
+
+
+def peak_key(metric: Metric, scope: str = "") -> str:
+    """The run record's name for the peak of ``metric``: ``peak_gpu_reserved_GiB``,
+    ``peak_host_rss_GiB_per_node``."""
+    return f"peak_{metric.key}{scope}"
+
+
+def memory_headline(record: dict) -> tuple[Metric, float]:
+    """The one memory figure a short log line shows: GPU reserved when there is a GPU, else host RSS."""
+    metric = GPU_RESERVED if GPU_RESERVED.key in record else HOST_RSS
+    return metric, record[metric.key]
+
+
+def progress_text(record: dict) -> str:
+    """A logged step's figures for the progress bar: loss, lr, tokens/s, TFLOP/s, MFU, memory."""
+    parts = [f"{LOSS.label}={record[LOSS.key]:.4f}", f"{LR.label}={record[LR.key]:.2e}",
+             f"{TOKENS_PER_S.label}={record[TOKENS_PER_S.key]:,.0f}"]
+    if TFLOPS_PER_DEVICE.key in record:
+        parts.append(f"{TFLOPS_PER_DEVICE.label}={record[TFLOPS_PER_DEVICE.key]:.3g}")
+    if MFU.key in record:
+        parts.append(f"{MFU.label}={record[MFU.key]:.1f}%")
+    metric, value = memory_headline(record)
+    return ", ".join(parts + [f"{metric.label}={value:.1f}{metric.unit}"])

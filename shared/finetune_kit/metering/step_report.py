@@ -1,0 +1,60 @@
+"""What a training loop reports at each optimizer step, the same in every accelerate recipe.
+
+    report = StepReport(accelerator, flop_counter, output, total_steps=..., initial_step=...,
+                        grad_accum=..., log_every=...)
+    ...  each micro-batch:   report.micro_batch(loss, batch["attention_mask"])
+    ...  each optimizer step: report.optimizer_step(step, epoch, lr)
+    report.close()
+
+Per step: the loss averaged over micro-batches and ranks, real tokens / padding / model FLOPs
+summed over ranks (:class:`StepTally`) and turned into rates (:class:`ThroughputMeter`, kept
+whole in ``report.meter`` for the run record); every ``log_every`` steps a ``metrics.jsonl``
+line (:class:`MetricsLog`) and the progress bar's figures. Keys: :mod:`finetune_kit.metering.keys`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from finetune_kit.metering import keys, memory
+from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
+from finetune_kit.metering.metrics_log import MetricsLog
+from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+
+
+class StepReport:
+    def __init__(self, accelerator, flop_counter: FlopCounter, output: Path, *, total_steps: int,
+                 initial_step: int, grad_accum: int, log_every: int):
+        self.accelerator = accelerator
+        self.tally = StepTally(flop_counter)
+        self.meter = ThroughputMeter(accelerator.num_processes, peak_tflops=peak_tflops(device_name()))
+        self.log = MetricsLog(output, enabled=accelerator.is_main_process)
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step",
+                        disable=not accelerator.is_local_main_process)
+        self.total_steps, self.grad_accum, self.log_every = total_steps, grad_accum, log_every
+        self._loss = torch.zeros(())
+
+    def micro_batch(self, loss: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self._loss += loss.detach().float().cpu() / self.grad_accum
+        self.tally.add(attention_mask)
+
+    def optimizer_step(self, step: int, epoch: int, lr: float) -> dict:
+        """Close the step (collectives: every rank calls it); return its metrics."""
+        acc = self.accelerator
+        loss = acc.reduce(self._loss.to(acc.device), "mean").item()
+        self._loss.zero_()
+        rate = self.meter.step(**self.tally.reduce(acc))
+        record = {keys.STEP.key: step, keys.EPOCH.key: epoch, keys.LOSS.key: loss, keys.LR.key: lr,
+                  **rate.as_metrics(), **memory.peaks()}
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.log.write(record)
+            self.bar.set_postfix_str(keys.progress_text(record))
+        self.bar.update(1)
+        return record
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()

@@ -1,0 +1,110 @@
+"""Tokens per second, model TFLOP/s and MFU, measured the same way in every recipe.
+
+Only real tokens count: padding is excluded (``attention_mask.sum()``), so a padded batch
+does not look faster than it is; the padding share is reported beside it. Rates are over
+wall-clock time between optimizer steps, summed over all ranks, and also given per device.
+FLOPs come from :mod:`finetune_kit.metering.flops` (one stated formula); MFU is against the device's
+dense bf16 peak and is absent on CPUs and unknown devices.
+
+In a training loop::
+
+    tally = StepTally(flop_counter)              # per rank, per optimizer step
+    meter = ThroughputMeter(num_devices=world, peak_tflops=flops.peak_tflops(device_name))
+    ...  for each micro-batch:  tally.add(batch["attention_mask"])
+    ...  at each optimizer step: rate = meter.step(**tally.reduce(accelerator))
+    metrics = rate.as_metrics() | memory.peaks()       # metering.memory
+    summary = meter.summary(warmup_steps=3)     # medians for the run record
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from finetune_kit.metering.flops import FlopCounter, mfu_percent
+
+
+@dataclass
+class StepRate:
+    step_time_s: float
+    tokens: int  # real (non-padding) tokens in the step, all ranks
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    padding_fraction: float | None = None  # padded slots / all slots in the step's batches
+    model_tflop_per_s_per_device: float | None = None
+    mfu_percent: float | None = None
+
+    def as_metrics(self) -> dict[str, float]:
+        """The figures with units in their names; absent ones (e.g. MFU on CPU) left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class StepTally:
+    """Real tokens, padded slots and model FLOPs of this rank's micro-batches in one step."""
+
+    def __init__(self, flop_counter: FlopCounter | None = None):
+        self.flop_counter = flop_counter
+        self._zero()
+
+    def _zero(self) -> None:
+        self.tokens, self.slots, self.flops = 0, 0, 0.0
+
+    def add(self, attention_mask: torch.Tensor) -> None:
+        real = int(attention_mask.sum())
+        self.tokens += real
+        self.slots += attention_mask.numel()
+        if self.flop_counter is not None:
+            self.flops += self.flop_counter.batch(real, seq_len=attention_mask.shape[-1])
+
+    def reduce(self, accelerator=None) -> dict[str, float]:
+        """Sums over all ranks (``accelerator.reduce``), then starts the next step at zero."""
+        values = torch.tensor([self.tokens, self.slots, self.flops], dtype=torch.float64)
+        if accelerator is not None and accelerator.num_processes > 1:
+            values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
+        self._zero()
+        tokens, slots, flops = values.tolist()
+        return {"tokens": int(tokens), "padded_tokens": int(slots),
+                "flops": flops if self.flop_counter is not None else None}
+
+
+class ThroughputMeter:
+    """Call ``step(tokens, padded_tokens, flops)`` once per optimizer step, all-rank totals."""
+
+    def __init__(self, num_devices: int, peak_tflops: float | None = None):
+        self.num_devices = num_devices
+        self.peak_tflops = peak_tflops
+        self._last = time.perf_counter()
+        self.total_tokens = 0
+        self.history: list[StepRate] = []
+
+    def reset_clock(self) -> None:
+        """Restart timing, e.g. after a checkpoint save or evaluation pause."""
+        self._last = time.perf_counter()
+
+    def step(self, tokens: int, padded_tokens: int | None = None, flops: float | None = None) -> StepRate:
+        now = time.perf_counter()
+        elapsed = max(now - self._last, 1e-9)
+        self._last = now
+        self.total_tokens += tokens
+        rate = tokens / elapsed
+        padding = 1 - tokens / padded_tokens if padded_tokens else None
+        tflops = flops / elapsed / self.num_devices / 1e12 if flops is not None else None
+        mfu = mfu_percent(tflops, self.peak_tflops) if tflops is not None else None
+        result = StepRate(elapsed, tokens, rate, rate / self.num_devices, padding, tflops, mfu)
+        self.history.append(result)
+        return result
+
+    def summary(self, warmup_steps: int) -> dict[str, float | int]:
+        """Medians over the steps after the first ``warmup_steps`` (compilation, allocator
+        growth and first-step communication setup make early steps unrepresentative)."""
+        steady = self.history[warmup_steps:]
+        out: dict[str, float | int] = {"steps_measured": len(steady), "warmup_steps_excluded": warmup_steps}
+        if not steady:
+            return out
+        for key, value in asdict(steady[0]).items():
+            if key != "tokens" and value is not None:
+                out[f"median_{key}"] = statistics.median(getattr(s, key) for s in steady)
+        return out

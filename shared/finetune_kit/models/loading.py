@@ -1,0 +1,98 @@
+"""Model and tokenizer loading: a hub id or a local folder, bf16, a real pad token.
+
+Under DeepSpeed ZeRO-3 (an ``Accelerator`` built from a config with
+``zero3_init_flag: true`` must exist first), ``from_pretrained`` runs inside
+``deepspeed.zero.Init``: each rank materialises only its own shard of the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune_kit.errors import ConfigError
+
+# Tokens that can pad without being EOS, in order of preference. Llama 3.1+ reserves
+# <|finetune_right_pad_id|> for this; Llama 3 has unused reserved tokens; Llama 2 has <unk>.
+PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<|reserved_special_token_0|>")
+
+
+def load_config(model: str):
+    """The model's ``config.json`` (cheap: no weights), or a ConfigError naming the fix."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    if model.startswith((".", "/", "~")) and not path.exists():
+        raise ConfigError(
+            f"model path '{model}' does not exist. Pass --model with a local model folder "
+            "(one that holds config.json) or a hub id such as meta-llama/Meta-Llama-3-8B."
+        )
+    if path.exists() and not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model folder '{model}' has no config.json: it is not a Hugging Face model folder. "
+            "Point --model at the folder that holds config.json and the weights."
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path) if path.exists() else model)
+    except OSError as err:
+        raise ConfigError(
+            f"model '{model}' is neither a local folder nor reachable on the Hugging Face hub "
+            f"({err.__class__.__name__}). Check the spelling, your hub access token for gated "
+            "models, or download it and pass the local path."
+        ) from err
+
+
+def max_positions(config) -> int:
+    """Longest sequence the model was built for (its position embedding limit)."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def check_seq_len(max_seq_len: int, config, model: str) -> None:
+    limit = max_positions(config)
+    if max_seq_len < 8:
+        raise ConfigError(f"--max-seq-len {max_seq_len} is too short to hold a prompt and an "
+                          "answer; use at least 8 (typical: 2048 or 4096).")
+    if limit and max_seq_len > limit:
+        raise ConfigError(
+            f"--max-seq-len {max_seq_len} is above the limit of model '{model}' "
+            f"(max_position_embeddings = {limit}). Use --max-seq-len {limit} or less."
+        )
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer, with a pad token that is not EOS (EOS must stay learnable)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ensure_pad_token(tokenizer)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer) -> str:
+    """Set ``tokenizer.pad_token`` to a token other than EOS; return which one.
+
+    Padding with EOS (a common shortcut) masks EOS out of the labels with the padding,
+    so the model never learns to stop. Prefer a reserved token already in the vocabulary;
+    add ``<pad>`` only as a last resort (the model's embeddings must then be resized).
+    """
+    if tokenizer.pad_token is not None and tokenizer.pad_token != tokenizer.eos_token:
+        return tokenizer.pad_token
+    vocab = tokenizer.get_vocab()
+    for candidate in PAD_CANDIDATES:
+        if candidate in vocab:
+            tokenizer.pad_token = candidate
+            return candidate
+    if tokenizer.unk_token is not None and tokenizer.unk_token != tokenizer.eos_token:
+        tokenizer.pad_token = tokenizer.unk_token
+        return tokenizer.unk_token
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    return "<pad>"
+
+
+def load_causal_lm(model: str):
+    """``AutoModelForCausalLM`` in bf16 (the checkpoints' own dtype) with PyTorch's SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -1,0 +1,247 @@
+"""4-bit (QLoRA) classifiers under DeepSpeed ZeRO-3: build, check, report, save, merge.
+
+The frozen base is bitsandbytes nf4 with double quantisation and bf16 compute; LoRA
+adapters (PEFT) and the classification head ``score`` train. Two rules ZeRO-3 imposes:
+
+- ``bnb_4bit_quant_storage`` must equal the model dtype. ZeRO-3 flattens and partitions
+  every parameter of one dtype together; 4-bit weights stored as uint8 next to bf16
+  ones cannot be partitioned (and, gathered back, come out as garbage).
+- no ``device_map``: ZeRO-3 decides where each shard lives; transformers refuses both.
+
+Under ZeRO-3 every rank holds only a slice of each parameter and ``p.data`` is an empty
+placeholder, so a plain ``save_pretrained`` writes zero-size adapter tensors.
+:func:`save_adapter` gathers the trainable parameters first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune_kit.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HEAD = "score"  # the classification head of Llama's AutoModelForSequenceClassification
+ATTENTION = "sdpa"  # PyTorch's scaled_dot_product_attention (flash / memory-efficient kernels on GPUs)
+
+
+def parse_dtype(name: str, flag: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"{flag} {name!r} is not a supported dtype; choose one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def check_zero3_settings(*, dtype: str, quant_storage: str, device_map: str | None) -> None:
+    """Raise ConfigError for settings ZeRO-3 cannot partition (see the module docstring)."""
+    parse_dtype(dtype, "--dtype")
+    parse_dtype(quant_storage, "--quant-storage")
+    if quant_storage != dtype:
+        raise ConfigError(
+            f"--quant-storage {quant_storage} differs from the model dtype --dtype {dtype}. Under DeepSpeed "
+            "ZeRO-3 the 4-bit weights must be stored in the model dtype so they are partitioned with the "
+            f"other parameters. Pass --quant-storage {dtype}."
+        )
+    if device_map:
+        raise ConfigError(
+            f"--device-map {device_map!r} cannot be used under DeepSpeed ZeRO-3: ZeRO-3 places every "
+            "parameter shard itself (each rank on its own GPU). Drop --device-map; use it only for "
+            "single-process inference, e.g. when evaluating a saved adapter."
+        )
+
+
+def parse_targets(text: str) -> str | list[str]:
+    """``--lora-targets``: "all-linear", or comma-separated module names (spaces ignored)."""
+    if text.strip() == "all-linear":
+        return "all-linear"
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError(f"--lora-targets {text!r} names no module; pass all-linear or e.g. q_proj,v_proj.")
+    return names
+
+
+def adapter_plan(rank: int, targets: str | list[str]):
+    """The memory planner's description of this adapter (a 4-bit base)."""
+    from finetune_kit.planning.memory import Adapter
+
+    return Adapter(rank=rank, targets=targets if targets == "all-linear" else tuple(targets))
+
+
+def check_pad_token_fits(tokenizer, model_config, model: str) -> None:
+    """A 4-bit base cannot grow its embeddings, so the pad token must already be in the vocabulary."""
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(f"tokenizer of '{model}' has no pad token to reuse; a 4-bit base cannot grow "
+                          "its embeddings. Use a Llama 3.1+ tokenizer (it has <|finetune_right_pad_id|>).")
+
+
+def bnb_config(dtype: torch.dtype, quant_storage: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
+        bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved
+        bnb_4bit_compute_dtype=dtype,  # matmuls run in this dtype after dequantising
+        bnb_4bit_quant_storage=quant_storage,  # container dtype of the packed 4-bit weights
+    )
+
+
+def load_quantized_classifier(model: str, *, pad_token_id: int, num_labels: int = 2,
+                              dtype: torch.dtype = torch.bfloat16, quant_storage: torch.dtype = torch.bfloat16,
+                              device_map=None):
+    """``AutoModelForSequenceClassification`` with an nf4 base (frozen) and a new ``score`` head.
+
+    Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank loads only
+    its shard. ``pad_token_id`` goes into the config: the classifier reads the last
+    non-pad token of each row and refuses batches of several rows without it.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    kwargs = {"device_map": device_map} if device_map else {}
+    net = AutoModelForSequenceClassification.from_pretrained(
+        model, num_labels=num_labels, quantization_config=bnb_config(dtype, quant_storage),
+        dtype=dtype, attn_implementation=ATTENTION, **kwargs)
+    net.config.pad_token_id = pad_token_id
+    return net
+
+
+def add_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: str | list[str] = "all-linear",
+             gradient_checkpointing: bool = True):
+    """Freeze the base, wrap it with LoRA adapters, train ``score`` in full (modules_to_save)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if gradient_checkpointing:
+        # non-reentrant: works with frozen inputs and ZeRO-3's parameter hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()  # frozen embeddings: let gradients reach the checkpointed blocks
+        model.config.use_cache = False
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type=TaskType.SEQ_CLS, modules_to_save=[HEAD], bias="none")
+    model = get_peft_model(model, config)
+    if target_modules != "all-linear":  # PEFT skips a name that matches nothing, if another one matches
+        adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+        missing = [name for name in target_modules if name not in adapted]
+        if missing:
+            raise ConfigError(f"--lora-targets names {missing}, which match no layer of the model; its adapted "
+                              f"layers would be {sorted(adapted)}. Fix the names (e.g. q_proj,k_proj,v_proj,o_proj).")
+    return model
+
+
+def keep_cpu_weights_unpacked(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights in place for CPU inference.
+
+    bitsandbytes 0.50 rewrites ``weight.data`` of a ``Linear4bit`` into a CPU-specific
+    layout the first time it runs in eval mode without gradients on an AVX512-BF16 CPU.
+    Under ZeRO-3 that data is a gathered, partitioned parameter (the rewrite breaks the
+    partitioning), and the layout asserts that out_features is a multiple of 32 (not so
+    for tiny test models). No effect on GPUs. Returns the number of layers changed.
+    """
+    import bitsandbytes as bnb
+
+    if torch.cuda.is_available():
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def _numel(param) -> int:
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+
+
+def parameter_classes(model) -> dict:
+    """Parameter counts (elements, full sizes even under ZeRO-3) by class.
+
+    ``linear4bit_modules``: bitsandbytes ``Linear4bit`` layers; ``quantized_frozen``: their
+    weights (4-bit values, not the storage elements that pack them); ``lora_trainable``,
+    ``head_trainable``: what the optimizer updates;
+    ``other_frozen`` (embeddings, norms) and ``other_trainable`` (should be 0).
+    """
+    import bitsandbytes as bnb
+
+    out = {"linear4bit_modules": 0, "quantized_frozen": 0, "lora_trainable": 0, "head_trainable": 0,
+           "other_frozen": 0, "other_trainable": 0, "trainable_names_sample": []}
+    quantized = set()
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            out["linear4bit_modules"] += 1
+            quantized.update(id(p) for p in module.parameters(recurse=False))
+    for name, param in model.named_parameters():
+        n = _numel(param)
+        if id(param) in quantized:
+            key = "quantized_frozen" if not param.requires_grad else "other_trainable"
+            n *= param.element_size() * 2  # each storage element packs two 4-bit values per byte
+        elif param.requires_grad:
+            key = "lora_trainable" if "lora_" in name else "head_trainable" if f"{HEAD}." in name else "other_trainable"
+            if len(out["trainable_names_sample"]) < 4:
+                out["trainable_names_sample"].append(name)
+        else:
+            key = "other_frozen"
+        out[key] += n
+    return out
+
+
+def trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full copies (on CPU) of the trainable parameters; all ranks must call.
+
+    Under ZeRO-3 each is gathered from its shards first: without this the adapter would
+    be saved with zero-size tensors. Only adapter and head are gathered, never the base.
+    """
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    partitioned = [p for p in params.values() if hasattr(p, "ds_id")]
+    if partitioned:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+            return {name: p.detach().cpu().clone() for name, p in params.items()}
+    return {name: p.detach().cpu().clone() for name, p in params.items()}
+
+
+def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:
+    """Write the LoRA adapter and the head (``adapter_model.safetensors``) plus tokenizer.
+
+    Loadable with ``PeftModel.from_pretrained(base, out)``. All ranks must call; rank 0 writes.
+    """
+    state = trainable_state_dict(accelerator.unwrap_model(model))
+    if accelerator.is_main_process:
+        empty = [name for name, t in state.items() if t.numel() == 0]
+        if empty:
+            raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
+        accelerator.unwrap_model(model).save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    accelerator.wait_for_everyone()
+    return Path(out)
+
+
+def load_adapter_for_eval(base: str, adapter: str | Path, *, pad_token_id: int, dtype: torch.dtype = torch.bfloat16,
+                          device_map=None):
+    """A freshly quantised base with the saved adapter and head, in eval mode (one process)."""
+    from peft import PeftModel
+
+    net = load_quantized_classifier(base, pad_token_id=pad_token_id, dtype=dtype, quant_storage=dtype,
+                                    device_map=device_map)
+    return PeftModel.from_pretrained(net, str(adapter)).eval()
+
+
+def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Fold the adapter into an unquantised ``dtype`` copy of the base and save it.
+
+    Merging into 4-bit weights would round the update away, so the base is loaded in
+    ``dtype`` (70B in bf16: ~140 GB of host RAM). Run it in a single process, outside
+    ZeRO-3 (the process's DeepSpeed config is unset first). The result loads with plain
+    ``AutoModelForSequenceClassification``.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a plain load, not a partitioned one
+
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
+    net.config.pad_token_id = tokenizer.pad_token_id
+    merged = PeftModel.from_pretrained(net, str(adapter)).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return Path(out)

@@ -1,0 +1,189 @@
+"""Will a recipe fit? Memory per GPU and per node before launch, and the cheapest fix if not.
+
+    python -m finetune_kit.planning --model llama3-8b --deepspeed-config recipes/llama3-8b-zero3/configs/zero3.json \\
+        --nodes 1 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 4 --seq-len 2048
+    python -m finetune_kit.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
+    python -m finetune_kit.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
+
+``--model`` takes a config.json, a model folder, or a known architecture: see
+``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning.memory``.
+
+A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
+
+    {"model": "llama3-8b", "micro_batch": 4, "seq_len": 2048, "gradient_checkpointing": true,
+     "adapter": null, "num_labels": null,
+     "setups": [{"label": "1 node x 8 GPUs", "config": "configs/zero3.json", "nodes": 1,
+                 "gpus_per_node": 8, "gpu_memory_GiB": 80, "host_memory_GiB": 1000}]}
+
+Each setup may override micro_batch, seq_len and gradient_checkpointing. :func:`recipe_table` is the
+README's memory table of those setups; ``python -m finetune_kit.repo readmes`` (``make readmes``)
+writes it into the recipe's README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from finetune_kit.errors import UserInputError
+from finetune_kit.models.shapes import resolve_model
+from finetune_kit.planning.memory import Adapter, GiB, Plan, Setup, plan, setup_from_deepspeed, suggest
+
+SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
+              "gradient_checkpointing")
+
+
+def gib(value: int) -> str:
+    return f"{value / GiB:.1f}"
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    fmt = [("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip() for r in [header, *rows]]
+    return "\n".join([fmt[0], line, *fmt[1:]])
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def describe_setup(s: Setup) -> str:
+    offload = [w for w, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param)) if on]
+    method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
+    return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), ZeRO-{s.stage}, offload: {', '.join(offload) or 'none'}, "
+            f"{method}, micro-batch {s.micro_batch} x {s.seq_len} tokens, gradient checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}")
+
+
+def render_plan(p: Plan, flags: dict | None = None) -> str:
+    """The full breakdown of one plan, its verdict and (if it does not fit) the cheapest fix."""
+    s = p.setup
+    head = (f"{p.model.name}: {p.total_params / 1e9:.2f} B parameters, {p.trainable_params / 1e9:.3f} B trainable\n"
+            f"{describe_setup(s)}\n")
+    names = list(p.gpu_parts) + [n for n in p.host_parts if n not in p.gpu_parts]
+    rows = [[n, gib(p.gpu_parts[n]) if n in p.gpu_parts else "", gib(p.host_parts[n]) if n in p.host_parts else ""]
+            for n in names]
+    gpu_cap = "" if s.gpu_memory_GiB is None else f" of {s.gpu_memory_GiB:g}"
+    cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:g}"
+    rows.append(["total", gib(p.gpu_bytes) + gpu_cap, gib(p.host_bytes) + cpu_cap])
+    out = head + text_table(["part", "per GPU (GiB)", "host per node (GiB)"], rows) + f"\n\nverdict: {p.verdict()}"
+    if p.fits is False:
+        fix = suggest(p.model, s, flags)
+        out += f"\nsuggestion: {fix}" if fix else "\nsuggestion: nothing tried fits (smaller model or larger GPUs)"
+    return out
+
+
+# ---- a recipe's memory_plan.json and its README table ----
+def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
+    path = recipe_dir / "memory_plan.json"
+    if not path.is_file():
+        raise UserInputError(f"{path} does not exist: a recipe lists its memory setups there (see "
+                             "python -m finetune_kit.planning --help).")
+    spec = json.loads(path.read_text())
+    adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    model = spec["model"]
+    if not any(model.startswith(p) for p in ("/", ".")) and (recipe_dir / model).exists():
+        model = str(recipe_dir / model)
+    shape = resolve_model(model)
+    out = []
+    for entry in spec["setups"]:
+        fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
+        ds = json.loads((recipe_dir / entry["config"]).read_text())
+        setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        out.append((entry, plan(shape, setup)))
+    return out
+
+
+def recipe_table(recipe_dir: Path) -> str:
+    """The markdown memory table of the recipe's setups, with a note on what it counts."""
+    plans = recipe_plans(recipe_dir)
+    rows = []
+    for entry, p in plans:
+        s, kinds = p.setup, p.gpu_by_kind()
+        if p.fits:
+            verdict = f"fits, {p.gpu_headroom_GiB:.1f} GiB free"
+        else:
+            fix = suggest(p.model, s)
+            verdict = "does not fit" + (f"; fix: {'; '.join(fix.changes)} ({gib(fix.plan.gpu_bytes)} GiB/GPU, "
+                                        f"{gib(fix.plan.host_bytes)} GiB host)" if fix else "")
+        cpu = gib(p.host_bytes) + (f" of {s.host_memory_GiB:g}" if s.host_memory_GiB is not None else "")
+        rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
+                     f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
+                     gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
+                     f"**{gib(p.gpu_bytes)}** of {s.gpu_memory_GiB:g}", cpu, verdict])
+    shape = plans[0][1].model
+    if plans[0][1].setup.adapter:
+        states = "the frozen base (nf4 with its quantisation constants, or bf16), LoRA weights with full Adam states"
+    else:
+        states = "model states as DeepSpeed's own estimators count them (full fine-tuning)"
+    note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
+            f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
+            "activations with the loss's logits, and CUDA context + allocator overhead; host RAM per node "
+            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
+    header = ["setup", "DeepSpeed config", "micro-batch x tokens", "checkpointing", "model states",
+              "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
+    return note + "\n\n" + markdown_table(header, rows)
+
+
+# ---- command line ----
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m finetune_kit.planning", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to plan (one of)")
+    what.add_argument("--model", help="config.json, model folder, or a known architecture (llama3-8b, ...)")
+    what.add_argument("--recipe", type=Path, help="recipe folder with a memory_plan.json: plan each setup")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--gpu-memory-gib", dest="gpu_memory_GiB", type=float, default=80.0, help="per GPU")
+    hw.add_argument("--host-memory-gib", dest="host_memory_GiB", type=float, default=None,
+                    help="host RAM per node (not checked if unset)")
+    ds = p.add_argument_group("DeepSpeed (a JSON, or the flags; flags override the JSON)")
+    ds.add_argument("--deepspeed-config", type=Path, help="the recipe's DeepSpeed JSON")
+    ds.add_argument("--stage", type=int, choices=[0, 1, 2, 3])
+    ds.add_argument("--offload-optimizer", action="store_true", default=None)
+    ds.add_argument("--offload-param", action="store_true", default=None)
+    run = p.add_argument_group("batch and method")
+    run.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
+    run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    run.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    run.add_argument("--lora-rank", type=int, help="LoRA on a frozen bf16 base (with --qlora: nf4 base)")
+    run.add_argument("--qlora", action="store_true", help="frozen nf4 base, double quantisation (rank 8 by default)")
+    run.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
+    run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
+    return p.parse_args(argv)
+
+
+def setup_from_args(args) -> Setup:
+    ds = json.loads(args.deepspeed_config.read_text()) if args.deepspeed_config else {
+        "zero_optimization": {"stage": 3}}
+    adapter = None
+    if args.lora_rank or args.qlora:
+        targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+        adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
+    setup = setup_from_deepspeed(ds, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                 gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
+                                 micro_batch=args.micro_batch_size, seq_len=args.seq_len,
+                                 gradient_checkpointing=args.gradient_checkpointing, adapter=adapter,
+                                 num_labels=args.num_labels)
+    overrides = {k: getattr(args, k) for k in ("stage", "offload_optimizer", "offload_param")
+                 if getattr(args, k) is not None}
+    return replace(setup, **overrides)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.recipe:
+        for entry, p in recipe_plans(args.recipe):
+            print(f"== {entry.get('label', '')} ({entry['config']})\n{render_plan(p)}\n")
+        return 0
+    if not args.model:
+        raise UserInputError("pass --model or --recipe; see --help.")
+    print(render_plan(plan(args.model, setup_from_args(args))))
+    return 0
+

@@ -1,0 +1,530 @@
+"""Predict GPU and host memory of a fine-tuning run before launch, and what to change if it does not fit.
+
+Everything is arithmetic on the model's ``config.json`` (no weights, no torch, no GPU):
+
+* **Model states** (weights, gradients, optimizer) for full fine-tuning under ZeRO-2/3 are the
+  numbers of DeepSpeed's own estimators, ``estimate_zero2_model_states_mem_needs`` and
+  ``estimate_zero3_model_states_mem_needs`` (deepspeed 0.19.8), reproduced formula for formula
+  in :func:`deepspeed_model_states` (the tests compare with DeepSpeed's functions). They count
+  18 bytes per parameter for bf16 weights' gradients, fp32 gradients, fp32 master weights and two
+  Adam moments, plus 2 bytes of bf16 weights, 4 bytes per parameter of the largest layer for
+  ZeRO-3's gathered weights, and a 1.5x margin on host memory. :func:`zero_paper_model_states`
+  gives the ZeRO paper's leaner accounting (2 + 2 + K bytes, K = 12) for comparison.
+* **LoRA / QLoRA**: frozen base weights (bf16, or nf4 with its quantisation constants), the
+  bf16 layers bitsandbytes does not quantise (embeddings, norms, head), LoRA weights with full
+  Adam states; see :func:`adapter_model_states`.
+* **Activations**: :func:`activation_bytes` (formula and assumptions in its docstring).
+
+Memory is in bytes; tables show GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from finetune_kit.errors import ConfigError
+from finetune_kit.launch import env
+from finetune_kit.models.shapes import ModelShape, resolve_model
+
+GiB = 2**30
+log = logging.getLogger(__name__)
+
+# Bytes per element.
+BF16, FP32 = 2, 4
+# DeepSpeed's per-parameter multipliers (deepspeed/runtime/zero/stage_1_and_2.py comments):
+# 2 bf16 weights; 18 = 2 bf16 grads + 4 fp32 grads + 4 fp32 master weights + 8 Adam moments.
+DS_PARAM16, DS_STATES = 2, 18
+# bitsandbytes nf4 with blocksize 64: 4 bits per weight; one absmax per 64 weights, stored as
+# fp32, or with double quantisation as uint8 plus one fp32 constant per 256 absmax values
+# (Dettmers et al. 2023, QLoRA, section 3: 0.5 -> 0.127 bits per parameter of constants).
+NF4_BLOCK, DQ_BLOCK = 64, 256
+
+
+def nf4_bytes_per_param(double_quant: bool = True) -> float:
+    """Bytes per quantised weight, constants included: 0.515869 with double quantisation, 0.5625 without."""
+    constants = (1 + FP32 / DQ_BLOCK) / NF4_BLOCK if double_quant else FP32 / NF4_BLOCK
+    return 0.5 + constants
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states
+# ---------------------------------------------------------------------------------------------
+def deepspeed_model_states(total_params: int, largest_layer_params: int, *, stage: int, gpus_per_node: int = 1,
+                           nodes: int = 1, offload_optimizer: bool = False, offload_param: bool = False,
+                           zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(host bytes per node, GPU bytes per GPU) exactly as DeepSpeed 0.19.8 estimates them.
+
+    Stage 2 is ``estimate_zero2_model_states_mem_needs`` (``cpu_offload`` = offload_optimizer),
+    stage 3 ``estimate_zero3_model_states_mem_needs`` (``cpu_offload_params`` = offload_param).
+    Stages 0 and 1 have no DeepSpeed estimator: stage 1 uses the ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N
+    and stage 0 16Ψ, with stage 2's host figure.
+    """
+    gpus = nodes * gpus_per_node
+    psi = total_params
+    if stage == 3:
+        largest = 4 * largest_layer_params
+        per_node = 1 / nodes
+        if offload_optimizer and offload_param:
+            gpu = largest
+            cpu = psi * (18 * per_node if zero_init else max(4 * gpus_per_node, 18 * per_node))
+        elif offload_optimizer:
+            gpu = largest + int(2 * psi / gpus)
+            cpu = psi * (16 * per_node if zero_init else max(4 * gpus_per_node, 16 * per_node))
+        elif offload_param:
+            raise ConfigError("offload_param without offload_optimizer: DeepSpeed's estimator has no such case; "
+                              "offload the optimizer too (zero_optimization.offload_optimizer.device = \"cpu\").")
+        else:
+            gpu = largest + int(18 * psi / gpus)
+            cpu = (largest_layer_params if zero_init else psi) * 4 * gpus_per_node
+        return int(cpu * additional_buffer_factor), int(gpu)
+    if offload_param:
+        raise ConfigError(f"offload_param needs ZeRO stage 3 (got stage {stage}): set zero_optimization.stage "
+                          "to 3, or remove offload_param.")
+    if stage == 2 and offload_optimizer:
+        return int(psi * max(4 * gpus, 16) * additional_buffer_factor), 2 * psi
+    cpu = int(psi * 4 * gpus_per_node * additional_buffer_factor)
+    if stage == 2:
+        return cpu, 2 * psi + int(18 * psi / gpus)
+    if offload_optimizer:
+        raise ConfigError(f"offload_optimizer needs ZeRO stage 2 or 3 (got stage {stage}).")
+    return cpu, int(zero_paper_model_states(psi, stage, gpus))
+
+
+def zero_paper_model_states(psi: float, stage: int, num_gpus: int, k: int = 12) -> float:
+    """Bytes per GPU for mixed-precision Adam in the ZeRO paper (Rajbhandari et al. 2020, figure 1):
+    2Ψ fp16 weights + 2Ψ gradients + KΨ optimizer states (K = 12: fp32 weights, momentum, variance),
+    sharded by stage: 0 none, 1 optimizer (P_os), 2 + gradients (P_os+g), 3 + weights (P_os+g+p)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 4 * psi + k * psi / num_gpus
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / num_gpus
+    return (2 + 2 + k) * psi / num_gpus
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """LoRA (frozen bf16 base) or QLoRA (frozen nf4 base) on the linear layers of every block."""
+
+    rank: int = 8
+    targets: str | tuple[str, ...] = "all-linear"
+    quantized: bool = True  # nf4 base (QLoRA); False: bf16 base (LoRA)
+    double_quant: bool = True
+
+
+def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpus: int, nodes: int,
+                         offload_optimizer: bool, offload_param: bool, num_labels: int | None = None,
+                         additional_buffer_factor: float = 1.5) -> dict[str, tuple[int, int]]:
+    """{part: (host bytes per node, GPU bytes per GPU)} for LoRA/QLoRA under ZeRO ``stage``.
+
+    Assumptions: the frozen base (4-bit weights packed in bf16 storage, or bf16 weights) and the
+    bf16 embeddings/norms/head are ZeRO-3 partitions; nf4 quantisation constants are not
+    parameters, so every GPU keeps all of them. Trainable parameters (LoRA A/B, plus the
+    classification head for sequence classification) carry DeepSpeed's 2 + 18 bytes each, sharded
+    like full fine-tuning (ZeRO-2: all but the bf16 copy; ZeRO-3: everything). Offloaded parts are
+    counted on the host with the same margin DeepSpeed's estimators use.
+    """
+    frozen_linear = shape.num_hidden_layers * shape.block_linear_params()
+    bf16_layers = shape.unquantised_params(num_labels)
+    trainable = shape.lora_params(adapter.rank, adapter.targets) + (shape.head_params(num_labels) if num_labels else 0)
+    if num_labels:  # the classification head is trainable, not frozen
+        bf16_layers -= shape.head_params(num_labels)
+    base_bytes = frozen_linear * (0.5 if adapter.quantized else BF16)
+    constants = frozen_linear * (nf4_bytes_per_param(adapter.double_quant) - 0.5) if adapter.quantized else 0
+    weights_split = gpus if stage == 3 else 1
+    states_split = gpus if stage >= 1 else 1
+    per_node = gpus // nodes
+    parts: dict[str, tuple[int, int]] = {}
+
+    def put(name, total_bytes, split, offloaded):
+        on_gpu = total_bytes / split
+        if offloaded:  # host holds this node's GPUs' shares
+            parts[name] = (int(on_gpu * per_node * additional_buffer_factor), 0)
+        else:
+            parts[name] = (0, int(on_gpu))
+
+    put("frozen base weights (nf4)" if adapter.quantized else "frozen base weights (bf16)", base_bytes,
+        weights_split, offload_param)
+    if constants:
+        put("nf4 quantisation constants", constants, 1, False)
+    put("bf16 embeddings, norms" + (", head" if not num_labels else ""), bf16_layers * BF16, weights_split,
+        offload_param)
+    put("trainable weights (bf16)", trainable * DS_PARAM16, weights_split, offload_param)
+    put("trainable grads + Adam states", trainable * DS_STATES, states_split, offload_optimizer)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient_checkpointing: bool, *,
+                     num_labels: int | None = None, kv_repeated: bool = True) -> dict[str, int]:
+    """Peak activation bytes per GPU for one micro-batch of a Llama decoder in bf16.
+
+    Method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models" (section 4.1): count, per token, the tensors autograd keeps for the backward pass
+    (their GPT block: 34·s·b·h + 5·a·s²·b bytes). Here for transformers' Llama block, bf16,
+    b = micro-batch, s = sequence length, h = hidden, f = intermediate size, a = heads; bytes
+    per token, as listed by walking the autograd graph of transformers 5.23's LlamaForCausalLM
+    (tests/unit/test_memory.py does this on a tiny model and compares):
+
+    * each RMSNorm keeps its input cast to fp32 (4h) and the normalised bf16 tensor (2h);
+    * attention: q/k/v projections' shared input 2h; SDPA (flash or memory-efficient kernel, no
+      s² score matrix) keeps q (2h), k and v (2·kv_dim each; 2h each when transformers repeats
+      them to all heads, which its SDPA path does whenever there is a padding mask:
+      ``kv_repeated``), its output 2h -- the same storage o_proj keeps as input -- and an fp32
+      log-sum-exp (4a); RoPE and residual adds keep nothing large; no dropout;
+    * SwiGLU MLP: gate/up input 2h; SiLU input 2f; SiLU output and up output 2f each (the product
+      keeps both); down_proj input 2f.
+
+    Per layer: 20h + 8f + 4·(h or kv_dim) + 4a bytes per token (Llama 3 8B: 52·h). Without
+    checkpointing all L layers are kept. With full activation checkpointing (every decoder layer,
+    as ``gradient_checkpointing_enable`` does) only each layer's bf16 input is kept (2h·L, the
+    paper's 2sbhL) and one layer's activations are rebuilt at a time in backward.
+
+    The loss: the head's bf16 logits (2V), the fp32 copy transformers makes for the loss (4V)
+    and the fp32 log-softmax kept for backward (4V): 10·V bytes per token at the loss, V = vocab
+    (128256 for Llama 3: the largest single term). Sequence classification has num_labels
+    logits instead. Peak = kept layers + final norm/head input + max(loss, one rebuilt layer).
+    LoRA/QLoRA are counted like full fine-tuning (the adapters' own activations are rank-sized).
+    """
+    tokens = micro_batch * seq_len
+    h, f = shape.hidden_size, shape.intermediate_size
+    kv = h if kv_repeated else shape.kv_dim
+    attention = 6 * h + 2 * h + 2 * h + 2 * kv + 2 * kv + 2 * h + FP32 * shape.num_attention_heads
+    mlp = 6 * h + 2 * h + 8 * f
+    per_layer = attention + mlp
+    outputs = num_labels or shape.vocab_size
+    final = (6 * h + 2 * h) * tokens  # final RMSNorm + head input
+    loss = (BF16 + FP32 + FP32) * outputs * tokens
+    if gradient_checkpointing:
+        kept = 2 * h * shape.num_hidden_layers * tokens
+        rebuilt = per_layer * tokens
+    else:
+        kept = per_layer * shape.num_hidden_layers * tokens
+        rebuilt = 0
+    return {"kept": kept + final, "loss": loss, "recompute": rebuilt, "peak": kept + final + max(loss, rebuilt)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """One way to run: hardware, ZeRO settings and batch shape. Memory in GiB."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_GiB: float | None = 80.0
+    host_memory_GiB: float | None = None  # per node; None: not checked
+    stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    zero_init: bool = True
+    micro_batch: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = True
+    adapter: Adapter | None = None
+    num_labels: int | None = None  # sequence classification head instead of the LM head
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# CUDA context, cuBLAS workspace and NCCL buffers live outside PyTorch's allocator (~1 GiB); the
+# caching allocator's fragmentation adds roughly a tenth to what tensors use.
+CUDA_CONTEXT_GIB = 1.0
+FRAGMENTATION = 0.10
+ACTIVATION_PARTS = ("activations", "logits", "one layer")
+OVERHEAD_PART = "CUDA context"
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    setup: Setup
+    gpu_parts: dict[str, int] = field(default_factory=dict)  # bytes per GPU
+    host_parts: dict[str, int] = field(default_factory=dict)  # bytes per node
+    total_params: int = 0
+    trainable_params: int = 0
+
+    def gpu_by_kind(self) -> dict[str, int]:
+        """GPU bytes grouped as model states, activations (incl. logits) and overhead."""
+        kinds = {"model states": 0, "activations": 0, "overhead": 0}
+        for name, value in self.gpu_parts.items():
+            kind = ("activations" if name.startswith(ACTIVATION_PARTS) else
+                    "overhead" if name.startswith(OVERHEAD_PART) else "model states")
+            kinds[kind] += value
+        return kinds
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(self.gpu_parts.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_parts.values())
+
+    @property
+    def gpu_headroom_GiB(self) -> float | None:
+        cap = self.setup.gpu_memory_GiB
+        return None if cap is None else cap - self.gpu_bytes / GiB
+
+    @property
+    def host_headroom_GiB(self) -> float | None:
+        cap = self.setup.host_memory_GiB
+        return None if cap is None else cap - self.host_bytes / GiB
+
+    @property
+    def fits(self) -> bool | None:
+        """True/False, or None when no GPU capacity is known (nothing to compare with)."""
+        if self.setup.gpu_memory_GiB is None:
+            return None
+        return all(h >= 0 for h in (self.gpu_headroom_GiB, self.host_headroom_GiB) if h is not None)
+
+    def verdict(self) -> str:
+        s = self.setup
+        gpu = f"{self.gpu_bytes / GiB:.1f} GiB per GPU"
+        cpu = f"{self.host_bytes / GiB:.1f} GiB host RAM per node"
+        gpu_cap = "" if s.gpu_memory_GiB is None else f" of {s.gpu_memory_GiB:g}"
+        cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:g}"
+        if self.fits is None:
+            return f"predicted {gpu}, {cpu}{cpu_cap} (no GPU capacity given: not checked)"
+        if self.fits:
+            extra = f", {self.host_headroom_GiB:.1f} GiB host headroom" if s.host_memory_GiB is not None else ""
+            return f"fits: {gpu}{gpu_cap} ({self.gpu_headroom_GiB:.1f} GiB headroom), {cpu}{cpu_cap}{extra}"
+        short = []
+        if self.gpu_headroom_GiB is not None and self.gpu_headroom_GiB < 0:
+            short.append(f"needs {gpu}{gpu_cap}, {-self.gpu_headroom_GiB:.1f} GiB short")
+        if self.host_headroom_GiB is not None and self.host_headroom_GiB < 0:
+            short.append(f"needs {cpu}{cpu_cap}, {-self.host_headroom_GiB:.1f} GiB short")
+        return "does not fit: " + "; ".join(short)
+
+    def to_dict(self) -> dict:
+        """JSON-ready record (for run_info.json): inputs, parts in GiB, totals, verdict."""
+        def gib(parts):
+            return {k: round(v / GiB, 3) for k, v in parts.items()}
+        setup = asdict(self.setup)
+        return {"model": self.model.name, "setup": setup, "total_params": self.total_params,
+                "trainable_params": self.trainable_params, "gpu_GiB": gib(self.gpu_parts),
+                "gpu_total_GiB": round(self.gpu_bytes / GiB, 3), "host_GiB_per_node": gib(self.host_parts),
+                "host_total_GiB_per_node": round(self.host_bytes / GiB, 3), "fits": self.fits,
+                "verdict": self.verdict()}
+
+
+def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
+    """Predict memory per GPU and per node for ``model`` run as ``setup``."""
+    shape = resolve_model(model)
+    s = setup
+    if s.adapter is not None and s.adapter.quantized and s.stage == 3 and s.offload_param:
+        log.warning("QLoRA with offload_param: bitsandbytes 4-bit weights are used on the GPU; expect more GPU "
+                    "memory than predicted (PEFT's DeepSpeed guide, caveat 3).")
+    result = Plan(model=shape, setup=s, total_params=shape.total_params(s.num_labels))
+    if s.adapter is None:
+        result.trainable_params = result.total_params
+        cpu, gpu = deepspeed_model_states(
+            result.total_params, shape.largest_layer_params(s.num_labels), stage=s.stage,
+            gpus_per_node=s.gpus_per_node, nodes=s.nodes, offload_optimizer=s.offload_optimizer,
+            offload_param=s.offload_param, zero_init=s.zero_init, additional_buffer_factor=additional_buffer_factor)
+        result.gpu_parts["model states (DeepSpeed estimate)"] = gpu
+        result.host_parts["model states (DeepSpeed estimate)"] = cpu
+    else:
+        result.trainable_params = shape.lora_params(s.adapter.rank, s.adapter.targets) + (
+            shape.head_params(s.num_labels) if s.num_labels else 0)
+        for name, (cpu, gpu) in adapter_model_states(
+                shape, s.adapter, stage=s.stage, gpus=s.gpus, nodes=s.nodes, offload_optimizer=s.offload_optimizer,
+                offload_param=s.offload_param, num_labels=s.num_labels,
+                additional_buffer_factor=additional_buffer_factor).items():
+            if gpu:
+                result.gpu_parts[name] = gpu
+            if cpu:
+                result.host_parts[name] = cpu
+        # Working set: ZeRO-3 gathers a whole module (and prefetches the next); bitsandbytes
+        # dequantises one weight matrix to bf16 for each matmul.
+        biggest_linear = max(i * o for i, o in shape.linear_shapes().values())
+        if s.stage == 3 and s.gpus > 1:
+            largest_bytes = max(shape.vocab_size * shape.hidden_size * BF16,
+                                biggest_linear * (0.5 if s.adapter.quantized else BF16))
+            result.gpu_parts["ZeRO-3 gathered weights"] = int(2 * largest_bytes)
+        if s.adapter.quantized:
+            result.gpu_parts["dequantised weight (bf16)"] = biggest_linear * BF16
+    act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels)
+    kept_label = "activations kept, " + ("layer inputs only (checkpointing)" if s.gradient_checkpointing
+                                         else "all layers (no checkpointing)")
+    result.gpu_parts[kept_label] = act["kept"]
+    if act["loss"] >= act["recompute"]:
+        result.gpu_parts["logits + loss (bf16 + 2x fp32)"] = act["loss"]
+    else:
+        result.gpu_parts["one layer recomputed in backward"] = act["recompute"]
+    tensors = sum(result.gpu_parts.values())
+    result.gpu_parts["CUDA context + allocator"] = int(CUDA_CONTEXT_GIB * GiB + FRAGMENTATION * tensors)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# What to change when it does not fit
+# ---------------------------------------------------------------------------------------------
+# Relative cost of each change (slowdown or hardware), cheapest first. Halving the micro-batch
+# (with twice the accumulation: same global batch) costs the least; more GPUs cost the most, and
+# spreading them over more nodes a little more (slower network). Dropping an offload costs nothing.
+COSTS = {"micro_batch_halving": 1, "gradient_checkpointing": 3, "zero3": 2, "offload_optimizer": 5,
+         "offload_param": 8, "gpu_doubling": 20, "node_doubling": 2}
+MAX_GPUS_PER_NODE = 8
+MAX_NODES = 64
+
+
+@dataclass
+class Suggestion:
+    setup: Setup
+    plan: Plan
+    changes: list[str]
+
+    def __str__(self) -> str:
+        return "; ".join(self.changes) + f" -> {self.plan.verdict()}"
+
+
+def _doublings(start: int, limit: int) -> list[int]:
+    out = [start]
+    while out[-1] * 2 <= limit:
+        out.append(out[-1] * 2)
+    return out
+
+
+def _candidates(s: Setup):
+    for halve, gc, z3, opt, par, gpn, nodes in itertools.product(
+            range(int(math.log2(max(1, s.micro_batch))) + 1), {s.gradient_checkpointing, True},
+            {s.stage == 3, True}, (False, True), (False, True),
+            _doublings(s.gpus_per_node, max(MAX_GPUS_PER_NODE, s.gpus_per_node)), _doublings(s.nodes, MAX_NODES)):
+        stage = 3 if z3 else s.stage
+        if (par and not (stage == 3 and opt)) or (opt and stage < 2):
+            continue
+        cost = (halve * COSTS["micro_batch_halving"]
+                + (gc and not s.gradient_checkpointing) * COSTS["gradient_checkpointing"]
+                + (stage != s.stage) * COSTS["zero3"]
+                + (opt and not s.offload_optimizer) * COSTS["offload_optimizer"]
+                + (par and not s.offload_param) * COSTS["offload_param"]
+                + math.log2(gpn * nodes / s.gpus) * COSTS["gpu_doubling"]
+                + math.log2(nodes / s.nodes) * COSTS["node_doubling"])
+        yield cost, replace(s, micro_batch=max(1, s.micro_batch >> halve), gradient_checkpointing=gc, stage=stage,
+                            offload_optimizer=opt, offload_param=par, gpus_per_node=gpn, nodes=nodes)
+
+
+def describe_changes(old: Setup, new: Setup, flags: dict | None = None) -> list[str]:
+    """The concrete command-line and DeepSpeed-JSON edits that turn ``old`` into ``new``."""
+    f = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
+         "gradient_checkpointing": "drop --no-gradient-checkpointing", **(flags or {})}
+    out = []
+    if new.micro_batch != old.micro_batch:
+        ratio = old.micro_batch // new.micro_batch
+        out.append(f"`{f['micro_batch']} {new.micro_batch}` with {ratio}x `{f['grad_accum']}` (same global batch)")
+    if new.gradient_checkpointing and not old.gradient_checkpointing:
+        out.append(f"gradient checkpointing on (`{f['gradient_checkpointing']}`)")
+    if new.stage != old.stage:
+        out.append(f'ZeRO-3 instead of ZeRO-{old.stage}: `"zero_optimization": {{"stage": 3}}`')
+    if new.offload_optimizer and not old.offload_optimizer:
+        out.append('optimizer offload: `"zero_optimization": {"offload_optimizer": {"device": "cpu", '
+                   '"pin_memory": true}}`')
+    if old.offload_optimizer and not new.offload_optimizer:
+        out.append('no optimizer offload: `"offload_optimizer": {"device": "none"}`')
+    if old.offload_param and not new.offload_param:
+        out.append('no parameter offload: `"offload_param": {"device": "none"}`')
+    if new.offload_param and not old.offload_param:
+        out.append('parameter offload: `"zero_optimization": {"offload_param": {"device": "cpu", '
+                   '"pin_memory": true}}`')
+    if (new.nodes, new.gpus_per_node) != (old.nodes, old.gpus_per_node):
+        out.append(f"{new.nodes} node(s) x {new.gpus_per_node} GPUs instead of {old.nodes} x {old.gpus_per_node} "
+                   f"(`accelerate launch --num_machines {new.nodes} --num_processes {new.gpus}`)")
+    return out
+
+
+def suggest(model, setup: Setup, flags: dict | None = None) -> Suggestion | None:
+    """The cheapest change (by COSTS) that makes ``setup`` fit, or None when nothing tried fits."""
+    for _, candidate in sorted(_candidates(setup), key=lambda c: c[0]):
+        p = plan(model, candidate)
+        if p.fits:
+            return Suggestion(setup=candidate, plan=p, changes=describe_changes(setup, candidate, flags))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed JSON -> Setup, and the preflight a train script calls
+# ---------------------------------------------------------------------------------------------
+def _device(section) -> bool:
+    return isinstance(section, dict) and str(section.get("device", "none")).lower() not in ("none", "")
+
+
+def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
+    """A Setup with stage and offload read from a DeepSpeed JSON dict; other fields as given."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    return Setup(stage=int(zero.get("stage", 0)), offload_optimizer=_device(zero.get("offload_optimizer")),
+                 offload_param=_device(zero.get("offload_param")), **fields)
+
+
+def local_gpu_memory_GiB() -> float | None:
+    """Total memory of this process's GPU (LOCAL_RANK) in GiB, or None without CUDA.
+
+    Asks for LOCAL_RANK's device by index: before the launcher's ranks pick their devices, the
+    "current" device is GPU 0 for all of them.
+    """
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    index = env.view().local_rank % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory / GiB
+
+
+def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: int, seq_len: int,
+              gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
+              num_labels: int | None = None, gpu_memory_GiB: float | None = None,
+              host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
+              flags: dict | None = None, report=None) -> Plan:
+    """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
+
+    Call before any process group, data or weights. ``gpu_memory_GiB`` defaults to this GPU's
+    capacity; on a machine without CUDA there is nothing to compare with: the prediction is logged,
+    never fatal. ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE. ``skip`` (the script's
+    ``skip_flag``) turns the error into a warning. ``flags`` names the script's own flags for the
+    suggestion (keys micro_batch, grad_accum, gradient_checkpointing). ``report`` receives the
+    prediction line; by default the module logger, or stderr on rank 0 when logging is not set up.
+    """
+    import sys
+
+    def default_report(text: str) -> None:
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", text)
+        elif env.is_main_rank():
+            print(text, file=sys.stderr)
+
+    report = report or default_report
+    if gpus_per_node is None:
+        gpus_per_node = env.view().local_world_size if env.launched() else world_size
+    gpus_per_node = max(1, min(gpus_per_node, world_size))
+    nodes = max(1, world_size // gpus_per_node)
+    if gpu_memory_GiB is None:
+        gpu_memory_GiB = local_gpu_memory_GiB()
+    setup = setup_from_deepspeed(ds_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
+                                 host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
+                                 gradient_checkpointing=gradient_checkpointing, adapter=adapter,
+                                 num_labels=num_labels)
+    result = plan(model_config, setup)
+    report(f"memory plan: {result.verdict()}")
+    if result.fits is False:
+        fix = suggest(model_config, setup, flags)
+        fix_text = f"Cheapest change that fits: {fix}." if fix else "Nothing the planner tries fits: use a " \
+                                                                    "smaller model or larger GPUs."
+        message = (f"predicted memory for ZeRO-{setup.stage}, micro-batch {micro_batch} x {seq_len} tokens, "
+                   f"{world_size} GPU(s): {result.verdict()}. {fix_text} "
+                   f"(Pass {skip_flag} to launch anyway.)")
+        if skip:
+            report(f"warning: {message}")
+        else:
+            raise ConfigError(message)
+    return result

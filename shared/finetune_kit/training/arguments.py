@@ -1,0 +1,40 @@
+"""The flags every accelerate recipe shares, with one meaning and one default each.
+
+A recipe builds its parser from :func:`recipe_parser` and adds only what is its own (data
+fields, LoRA settings, ...); :class:`~finetune_kit.training.run.TrainingRun` reads these names.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int, lr: float, epochs: int,
+                  eval_fraction: float, examples: str = "sequences") -> argparse.ArgumentParser:
+    """An argparse parser with the common flags and the recipe's defaults; ``examples`` names what
+    one training example is (sequences, reviews) in the help."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=model, help="hub id or local folder")
+    p.add_argument("--output", default=output, help="run folder (checkpoints, model, metrics, records)")
+    p.add_argument("--max-seq-len", type=int, default=max_seq_len, help="tokens; longer examples are truncated")
+    p.add_argument("--micro-batch-size", type=int, default=4, help=f"{examples} per GPU per forward")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (cosine decay)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-ratio", type=float, default=0.03, help="fraction of steps warming up")
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--eval-fraction", type=float, default=eval_fraction, help=f"share of {examples} held out")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                   help="keep all activations (faster, much more memory)")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N optimizer steps")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept (0: all)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the newest checkpoint in --output, or from a given folder")
+    p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
+    p.add_argument("--meter-warmup-steps", type=int, default=3,
+                   help="first optimizer steps left out of the run record's throughput medians")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even if the memory planner predicts the run does not fit the GPUs")
+    return p

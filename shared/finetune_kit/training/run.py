@@ -1,0 +1,402 @@
+"""The life of a training run, the same in every recipe; the loop body stays in the recipe.
+
+An accelerate recipe's ``main()``::
+
+    run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=..., configs=...)  # seconds, nothing heavy
+    accelerator = run.start()                          # process group (gloo on CPU), seed
+    ...  data and model: the recipe's own  ...
+    run.plan_steps(train_dl)                           # steps per epoch, total steps (or a clear error)
+    optimizer, scheduler = run.optimizer_and_schedule(trainable_params)
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    run.resume()                                       # restores the checkpoint preflight chose, if any
+    for batch in run.batches(train_dl, model, scheduler):
+        with accelerator.accumulate(model):            # forward, backward, step: the recipe's
+            ...
+        run.micro_batch_done(loss, batch)              # logs, evaluates and saves on schedule
+    run.finish(model, saved_to=...)                    # run_record.json, run_info.json, summary line
+
+What it owns: the start-of-run checks (model config and sequence length, the launched
+DeepSpeed config and its batch sizes, the memory preflight, the resume decision); the
+position in the data (epoch, batch in epoch, optimizer step; exact on resume); when to log
+(``--log-every``), evaluate (after each epoch, or once at the end) and save (``--save-every``
+and the last step); the metering (throughput clock paused while evaluating or saving); and the
+end of the run: one ``run_info.json`` schema (:class:`~finetune_kit.results.record.RunInfo`), the
+run record, and the summary line. The HF Trainer recipe uses the same preflight and ending
+(:meth:`TrainingRun.preflight_trainer`, :meth:`metered_trainer`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune_kit.errors import ConfigError
+from finetune_kit.launch import checks, env
+from finetune_kit.models import loading as models
+from finetune_kit.planning import memory
+from finetune_kit.training import checkpoints
+
+# What the start-of-run checks call the batch and resume flags, per kind of script.
+ACCELERATE_FLAGS = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
+                    "gradient_checkpointing": "gradient checkpointing (the default)"}
+TRAINER_FLAGS = {"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
+                 "gradient_checkpointing": "--activation_checkpointing true"}
+
+
+@dataclass
+class Position:
+    """Where training is: optimizer steps taken, epoch, micro-batches consumed in the epoch.
+    Saved in every checkpoint (``trainer_state.json``) and restored on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+
+@dataclass
+class TrainingRun:
+    recipe: str
+    args: object  # the recipe's parsed arguments (common names: see training.arguments)
+    output: Path
+    model_config: object
+    ds_path: Path
+    ds_config: dict
+    memory_plan: memory.Plan
+    resume_from: Path | None
+    method: str = "full"  # "full" | "lora" | "qlora": picks the FLOP formula and labels the record
+    num_labels: int | None = None  # a classification head instead of the LM head
+    evaluate: Callable[[], dict] | None = None  # set by the recipe; returns {"eval_loss": ..., ...}
+    eval_each_epoch: bool = False  # evaluate after every epoch (and the last step); else once at the end
+    position: Position = field(default_factory=Position)
+    accelerator: object = None
+    report: object = None  # metering.step_report.StepReport, from the first batch on
+    meter: object = None  # metering.throughput.ThroughputMeter
+    flop_counter: object = None
+    seen_ids: list[int] = field(default_factory=list)  # source rows this rank trained on
+    evals: list[dict] = field(default_factory=list)
+    steps_per_epoch: int = 0
+    total_steps: int = 0
+    params_trainable: int = 0
+    train_examples: int = 0  # the split, for run_info.json
+    eval_example_ids: list[int] = field(default_factory=list)
+    script_args: dict = field(default_factory=dict)  # what configures the run, for the record's config hash
+    _lr: float = 0.0  # the learning rate of the step in progress
+    _epoch_done: bool = False
+    _trainer: object = None  # the HF Trainer, when it runs the loop
+
+    # ---- 1. before anything heavy ----
+
+    @classmethod
+    def preflight(cls, recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
+                  num_labels: int | None = None, adapter: memory.Adapter | None = None) -> TrainingRun:
+        """Check the model, the launched DeepSpeed config, the batch sizes, the memory and the
+        output folder, in seconds; raise a UserInputError naming the fix. For accelerate recipes:
+        ``args`` carries the flags of ``training.arguments.recipe_parser``."""
+        model_config = _checked_model_config(args.model, args.max_seq_len)
+        ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
+        checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                                 world=env.world_size(), source=str(ds_path))
+        plan = memory.preflight(model_config, ds_config, world_size=env.world_size(),
+                                micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                                gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                                adapter=adapter, skip=args.skip_memory_check)
+        output = Path(args.output)
+        return cls(recipe, args, output, model_config, ds_path, ds_config, plan,
+                   checkpoints.resolve_resume(args.resume, output), method=method, num_labels=num_labels,
+                   script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")})
+
+    @classmethod
+    def preflight_trainer(cls, recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int,
+                          configs: str) -> TrainingRun:
+        """The same checks for an HF Trainer recipe: ``recipe_args`` (model, max_seq_len,
+        skip_memory_check) and TrainingArguments' fields as parsed, before they are built."""
+        ds_path = trainer_kwargs["deepspeed"]
+        if not ds_path:
+            raise ConfigError(f"no DeepSpeed config: pass --deepspeed {configs}.")
+        ds_config = checks.load_deepspeed_config(ds_path)
+        if checks.zero_stage(ds_config) != zero_stage:
+            raise ConfigError(f"{ds_path} sets ZeRO stage {checks.zero_stage(ds_config)}; this recipe is "
+                              f"ZeRO-{zero_stage}. Use {configs}.")
+        for key, from_json in checks.precision_flags(ds_config).items():
+            if trainer_kwargs[key] is None:  # --bf16/--fp16 not given: the JSON decides
+                trainer_kwargs[key] = from_json
+        checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
+        model_config = _checked_model_config(recipe_args.model, recipe_args.max_seq_len)
+        plan = memory.preflight(
+            model_config, ds_config, world_size=env.world_size(),
+            micro_batch=trainer_kwargs["per_device_train_batch_size"], seq_len=recipe_args.max_seq_len,
+            gradient_checkpointing=trainer_kwargs["activation_checkpointing"], skip=recipe_args.skip_memory_check,
+            skip_flag="--skip_memory_check", flags=TRAINER_FLAGS)
+        output = Path(trainer_kwargs["output_dir"])
+        resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
+                                                 checkpoints.TRAINER_LAYOUT)
+        script_args = {**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
+                                               if k not in ("output_dir", "resume_from_checkpoint")}}
+        return cls(recipe, recipe_args, output, model_config, Path(ds_path), ds_config, plan, resume_from,
+                   script_args=script_args)
+
+    def check_trainer_arguments(self, training_args) -> None:
+        """Raise now what transformers noted while building TrainingArguments and would raise
+        only inside ``trainer.train()``, after the model has loaded."""
+        checks.check_trainer_mismatches(training_args, source=str(self.ds_path))
+
+    def check_enough_data(self, train_examples: int, training_args) -> None:
+        """The Trainer's counterpart of :meth:`plan_steps`' check: at least one optimizer step."""
+        a = training_args
+        if train_examples < a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size:
+            raise ConfigError(f"{train_examples} training sequences make no full optimizer step of "
+                              f"{a.per_device_train_batch_size} x {a.gradient_accumulation_steps} x {a.world_size} "
+                              "processes; lower --per_device_train_batch_size or --gradient_accumulation_steps, "
+                              "or add data.")
+
+    # ---- 2. the process group ----
+
+    def start(self, **accelerator_kwargs):
+        """The Accelerator the launch config describes (gloo on CPU-only machines), seeded;
+        the sampler is seedable so a resumed run sees the same data order."""
+        from accelerate.utils import DataLoaderConfiguration, set_seed
+
+        from finetune_kit.launch.accelerator import make_accelerator
+
+        self.accelerator = make_accelerator(
+            gradient_accumulation_steps=self.args.grad_accum,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **accelerator_kwargs)
+        set_seed(self.args.seed)
+        acc = self.accelerator
+        acc.print(f"world size {acc.num_processes}, device {acc.device}, "
+                  f"ZeRO stage {checks.zero_stage(self.ds_config)}, config {self.ds_path}")
+        return acc
+
+    # ---- 3. the schedule ----
+
+    def plan_steps(self, train_dl) -> int:
+        """Optimizer steps per epoch and in total, from the (unprepared) training loader."""
+        world = self.accelerator.num_processes
+        self.steps_per_epoch = math.ceil(len(train_dl) / world) // self.args.grad_accum
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"{len(train_dl.dataset)} training examples make no full optimizer step of "
+                              f"{self.args.micro_batch_size} x {self.args.grad_accum} x {world} processes; "
+                              "lower --micro-batch-size or --grad-accum, or add data.")
+        self.total_steps = self.args.epochs * self.steps_per_epoch
+        if self.args.max_steps:
+            self.total_steps = min(self.total_steps, self.args.max_steps)
+        return self.total_steps
+
+    def optimizer_and_schedule(self, params):
+        """The optimizer the DeepSpeed JSON names ("auto" values filled from --lr and
+        --weight-decay) and a cosine schedule with linear warm-up over ``total_steps``."""
+        from accelerate.utils import DummyOptim, DummyScheduler
+        from transformers import get_cosine_schedule_with_warmup
+
+        optimizer = DummyOptim(params, lr=self.args.lr, weight_decay=self.args.weight_decay)
+        warmup = math.ceil(self.args.warmup_ratio * self.total_steps)
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=warmup, num_training_steps=self.total_steps))
+        return optimizer, scheduler
+
+    def resume(self, **load_kwargs) -> None:
+        """Restore model, optimizer, schedule, RNG and position from the checkpoint chosen at
+        preflight (``--resume``); nothing for a fresh run. ``load_kwargs``: DeepSpeed's."""
+        if self.resume_from is None:
+            return
+        state = checkpoints.load_checkpoint(self.accelerator, self.resume_from, **load_kwargs)
+        self.position = Position(**state)
+        self.accelerator.print(f"resumed from {self.resume_from} at step {self.position.step}")
+
+    # ---- 4. the loop ----
+
+    def batches(self, train_dl, model, scheduler) -> Iterator[dict]:
+        """The training micro-batches, epoch after epoch, from the current position, until the
+        last step. ``example_ids`` is taken off each batch (kept for the run record)."""
+        from finetune_kit.metering.flops import FlopCounter
+        from finetune_kit.metering.step_report import StepReport
+        from finetune_kit.models.shapes import from_config
+
+        self.params_trainable = trainable_parameters(model)
+        trainable = None if self.method == "full" else self.params_trainable
+        self.flop_counter = FlopCounter(from_config(self.model_config), num_labels=self.num_labels,
+                                        trainable=trainable, head_trainable=trainable is not None and
+                                        self.num_labels is not None)
+        self.report = StepReport(self.accelerator, self.flop_counter, self.output, total_steps=self.total_steps,
+                                 initial_step=self.position.step, grad_accum=self.args.grad_accum,
+                                 log_every=self.args.log_every)
+        self.meter = self.report.meter
+        self._epoch_done = False
+        pos = self.position
+        while pos.step < self.total_steps:
+            train_dl.set_epoch(pos.epoch)
+            for batch in self.accelerator.skip_first_batches(train_dl, pos.batch_in_epoch):
+                for ids in batch.pop("example_ids"):
+                    self.seen_ids.extend(ids if isinstance(ids, list) else [ids])
+                self._lr = scheduler.get_last_lr()[0]  # the rate this step trains with
+                yield batch
+                if self._epoch_done or pos.step >= self.total_steps:
+                    break
+            self._epoch_done = False
+        self.report.close()
+
+    def micro_batch_done(self, loss, batch) -> None:
+        """Account one micro-batch; at an optimizer-step boundary, log, evaluate and save as due.
+        Every rank calls it (the step's metrics and a checkpoint are collectives)."""
+        self.report.micro_batch(loss, batch["attention_mask"])
+        pos = self.position
+        pos.batch_in_epoch += 1
+        if not self.accelerator.sync_gradients:
+            return
+        pos.step += 1
+        self.report.optimizer_step(pos.step, pos.epoch, self._lr)
+        self._epoch_done = pos.batch_in_epoch >= self.steps_per_epoch * self.args.grad_accum
+        paused = False
+        if self.eval_each_epoch and (self._epoch_done or pos.step == self.total_steps):
+            self._evaluate(announce=True)
+            paused = True
+        if self._epoch_done:
+            pos.epoch += 1
+            pos.batch_in_epoch = 0
+        if pos.step % self.args.save_every == 0 or pos.step == self.total_steps:
+            path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step, pos.as_dict(),
+                                               keep=self.args.keep_checkpoints)
+            self.accelerator.print(f"\ncheckpoint saved: {path}")
+            paused = True
+        if paused:
+            self.meter.reset_clock()  # evaluation and saving are not training time
+
+    def _evaluate(self, announce: bool) -> dict:
+        result = {"step": self.position.step, "epoch": self.position.epoch, **self.evaluate()}
+        self.evals.append(result)
+        if announce:
+            self.accelerator.print(f"\nvalidation after step {result['step']}: {describe_eval(result)}")
+        return result
+
+    # ---- the HF Trainer's loop instead ----
+
+    def metered_trainer(self, **trainer_kwargs):
+        """A :class:`~finetune_kit.training.trainer.MeteredTrainer` (the Trainer, metered like the
+        loops above) whose accelerator, meter and progress this run reads at the end."""
+        from finetune_kit.metering.flops import FlopCounter
+        from finetune_kit.models.shapes import from_config
+        from finetune_kit.training.trainer import MeteredTrainer
+
+        self.flop_counter = FlopCounter(from_config(self.model_config), num_labels=self.num_labels)
+        trainer = MeteredTrainer(flop_counter=self.flop_counter, metrics_dir=self.output, **trainer_kwargs)
+        self.accelerator, self.meter, self._trainer = trainer.accelerator, trainer.meter, trainer
+        self.params_trainable = trainable_parameters(trainer.model)
+        return trainer
+
+    # ---- 5. the end ----
+
+    def finish(self, model, *, saved_to: Path, seen_ids: list[int] | None = None, details: dict | None = None,
+               training: dict | None = None) -> None:
+        """Evaluate (when not done per epoch), then write ``run_record.json`` and ``run_info.json``
+        and print the summary; leave the process group. Every rank calls it.
+
+        ``model``: the prepared engine; ``saved_to``: what the run saved (model or adapter);
+        ``seen_ids``: rows this rank trained on when the loop was not :meth:`batches`;
+        ``details``: recipe-specific facts for run_info.json; ``training``: extra run-record
+        training fields (e.g. ``packing``).
+        """
+        from accelerate.utils import gather_object
+
+        from finetune_kit.metering import memory as peaks
+        from finetune_kit.models.shapes import from_config
+        from finetune_kit.results import record
+        from finetune_kit.training.partitions import rank_report
+
+        acc, args = self.accelerator, self.args
+        trainer = self._trainer
+        if trainer is not None:
+            self.position.step, self.total_steps = trainer.state.global_step, trainer.state.max_steps
+        if self.evaluate is not None and not self.eval_each_epoch:
+            self._evaluate(announce=False)
+        launch = env.view()
+        ranks = gather_object([{"rank": acc.process_index, "machine_rank": launch.machine_rank,
+                                "world_size": acc.num_processes,
+                                "example_ids": self.seen_ids if seen_ids is None else seen_ids,
+                                **rank_report(model)}])
+        all_peaks = peaks.peaks_all_ranks(acc)
+        micro, accum = _batch_shape(args, trainer)
+        if acc.is_main_process:
+            final = self.evals[-1] if self.evals else {}
+            run_record = record.for_training_run(
+                recipe=self.recipe, model_name=args.model, arch=from_config(self.model_config),
+                flop_counter=self.flop_counter, params_trainable=self.params_trainable, ds_config=self.ds_config,
+                script_args=self.script_args, world=acc.num_processes, nodes=env.num_nodes(), meter=self.meter,
+                warmup_steps=args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
+                predicted_gpu_GiB=self.memory_plan.gpu_bytes / 2**30,
+                training={"method": self.method, "seq_len": args.max_seq_len, "micro_batch_size": micro,
+                          "grad_accum": accum, "gradient_checkpointing": _checkpointing(args, trainer),
+                          **(training or {})})
+            run_record.write(self.output / "run_record.json")
+            record.RunInfo(
+                recipe=self.recipe, model=args.model, world_size=acc.num_processes, nodes=env.num_nodes(),
+                zero_stage=model.zero_optimization_stage(), precision=_precision(model),
+                deepspeed_config=str(self.ds_path), steps=self.position.step, total_steps=self.total_steps,
+                resumed_from=str(self.resume_from or ""), eval_loss=final.get("eval_loss"),
+                eval_accuracy=final.get("eval_accuracy"), evals=self.evals,
+                train_examples=self.train_examples, eval_example_ids=self.eval_example_ids,
+                max_seq_len=args.max_seq_len, micro_batch_size=micro, grad_accum=accum, saved_to=str(saved_to),
+                peak_memory=peaks.peaks(), memory_plan=self.memory_plan.to_dict(), ranks=ranks,
+                details=details or {}, finished_at=record.now(),
+            ).write(self.output / "run_info.json")
+            evaluated = f"validation {describe_eval(final)}" if final else "no validation split"
+            print(f"done: {self.position.step} steps, {evaluated}, {self.meter.total_tokens:,} tokens trained "
+                  f"in this session, {Path(saved_to).name} saved to {saved_to}\n"
+                  f"per-step loss, tokens/s and memory: {self.output / 'metrics.jsonl'}; "
+                  f"run record: {self.output / 'run_record.json'}")
+        acc.end_training()  # leave the process group before exit: a clean shutdown on every rank
+
+    def record_split(self, train_set, eval_set) -> None:
+        """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns)."""
+        self.train_examples = len(train_set)
+        self.eval_example_ids = example_ids(eval_set) if eval_set is not None else []
+
+
+# ---- helpers ----
+
+def _checked_model_config(model: str, max_seq_len: int):
+    config = models.load_config(model)
+    models.check_seq_len(max_seq_len, config, model)
+    return config
+
+
+def example_ids(dataset) -> list[int]:
+    """Source row ids of a dataset whose rows carry ``example_ids`` (lists) or ``example_id``."""
+    if "example_ids" in dataset.column_names:
+        return [i for ids in dataset["example_ids"] for i in ids]
+    return list(dataset["example_id"])
+
+
+def trainable_parameters(model) -> int:
+    """Elements of the parameters that train (full sizes, also under ZeRO-3's partitioning)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def describe_eval(result: dict) -> str:
+    """``loss 0.6931, accuracy 0.750`` from an evaluation's ``eval_*`` values."""
+    parts = [f"loss {result['eval_loss']:.4f}"]
+    if result.get("eval_accuracy") is not None:
+        parts.append(f"accuracy {result['eval_accuracy']:.3f}")
+    return ", ".join(parts)
+
+
+def _precision(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def _batch_shape(args, trainer) -> tuple[int, int]:
+    if trainer is not None:
+        return trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    return args.micro_batch_size, args.grad_accum
+
+
+def _checkpointing(args, trainer) -> bool:
+    if trainer is not None:
+        return bool(trainer.args.activation_checkpointing)
+    return bool(args.gradient_checkpointing)
+

@@ -1,0 +1,71 @@
+"""The HF ``Trainer``, metered exactly like the accelerate recipes.
+
+``MeteredTrainer`` feeds each micro-batch's attention mask to a :class:`StepTally` (real tokens,
+padded slots, model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimizer step the totals over
+all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and TensorBoard when
+installed) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
+padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
+mfu_percent (GPUs with a known peak), step_time_s and the ``metering.memory.peaks()`` keys. The loss
+is the Trainer's: token-weighted over the whole optimizer step, all ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import Trainer, TrainerCallback
+
+from finetune_kit.metering import keys, memory
+from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
+from finetune_kit.metering.metrics_log import MetricsLog
+from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+
+
+class MeteredTrainer(Trainer):
+    """``Trainer(...)`` plus ``flop_counter`` and ``metrics_dir`` (where metrics.jsonl goes).
+    ``self.meter`` holds every step's rate, for the run record's medians."""
+
+    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tally = StepTally(flop_counter)
+        self.meter = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
+        self.add_callback(MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero())))
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.tally.add(inputs["attention_mask"])
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class MeteringCallback(TrainerCallback):
+    """Closes each optimizer step's tally (a collective: every rank runs it) and writes the
+    logged steps. Also puts tokens/s and peak memory on the Trainer's own log line."""
+
+    def __init__(self, trainer: MeteredTrainer, log: MetricsLog):
+        self.trainer = trainer
+        self.log = log
+        self.rate = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.meter.reset_clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rate = self.trainer.meter.step(**self.trainer.tally.reduce(self.trainer.accelerator))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.meter.reset_clock()  # a checkpoint write is not training time
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.trainer.meter.reset_clock()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
+            return
+        record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
+                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **memory.peaks()}
+        logs[keys.TOKENS_PER_S.key] = round(self.rate.tokens_per_s, 1)
+        metric, value = keys.memory_headline(record)
+        logs[metric.key] = round(value, 2)
+        self.log.write(record)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.close()

@@ -1,0 +1,160 @@
+"""What the recipe tests share: launching a recipe as a user would, reading what it wrote, golden losses.
+
+Every launch runs a recipe's own ``train.py`` from a copy of its folder (the ``recipe_copy``
+fixture), with a free rendezvous port and one DeepSpeed op cache per interpreter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "shared/finetune_kit/data/samples"
+SAMPLE = SAMPLES / "instructions.jsonl"
+SAMPLE_REVIEWS = SAMPLES / "reviews.csv"
+LOSS_ATOL = 5e-3  # golden losses: CPU bf16 kernels may round differently across CPU generations
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous (29500 may be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    """The test's environment plus a DeepSpeed op cache of this interpreter's own. DeepSpeed
+    JIT-builds its CPU ops into a cache keyed by op name only: venvs sharing one rebuild each
+    other's builds (a minute each)."""
+    cache = Path.home() / ".cache/torch_extensions" / f"venv-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache)), **(extra or {})}
+
+
+def run_command(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=launch_env())
+
+
+def accelerate_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launcher_args=(), timeout: int = 900):
+    """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS`` from ``cwd``."""
+    cmd = ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *launcher_args,
+           "train.py", *args]
+    return run_command(cmd, cwd, timeout)
+
+
+def script_launch(cwd: Path, *args: str, launcher: str = "deepspeed", nproc: int = 2, timeout: int = 900):
+    """``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` on train.py, free port."""
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port]
+    elif launcher == "torchrun":
+        cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
+    else:
+        raise ValueError(f"launcher {launcher!r}: deepspeed or torchrun")
+    return run_command([*cmd, "train.py", *args], cwd, timeout)
+
+
+def launch_nodes(cwd: Path, commands: list[list[str]], envs: list[dict | None], timeout: int = 600):
+    """Start one launcher per "node" at once; return all finished processes (killed together
+    when one outlives ``timeout``)."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=launch_env(extra)) for cmd, extra in zip(commands, envs, strict=True)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def assert_finished(proc: subprocess.CompletedProcess, steps: int | None = None, name: str = "run") -> None:
+    """Exit 0 and, when ``steps`` is given, the summary line of that many steps."""
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if steps is not None:
+        assert f"done: {steps} steps" in proc.stdout, proc.stdout[-3000:]
+
+
+def assert_failed_early(proc: subprocess.CompletedProcess, *messages: str) -> None:
+    """A non-zero exit with one ``error:`` line naming ``messages``, and no Python traceback."""
+    assert proc.returncode != 0
+    for text in messages:
+        assert text in proc.stderr, proc.stderr[-4000:]
+    assert "error: " in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr  # the script exits with the message alone
+
+
+# ---- what a run wrote ----
+
+def read_metrics(output: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(output: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(output)]
+
+
+def read_run_info(output: Path) -> dict:
+    return json.loads((output / "run_info.json").read_text())
+
+
+def assert_matches_golden(got: list[float], golden: Path, steps: int, atol: float = LOSS_ATOL) -> None:
+    """Per-step losses equal the committed golden ones within ``atol``. ``UPDATE_GOLDEN=1``
+    rewrites the file first (after an intended numerics change; say why in the commit)."""
+    assert len(got) == steps, got
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps({"steps": steps, "atol": atol, "losses": got}, indent=2) + "\n")
+    assert got == pytest.approx(json.loads(golden.read_text())["losses"], abs=atol)
+
+
+def assert_throughput_metrics(output: Path, world: int = 2) -> None:
+    """Every logged step carries real tokens, rates per device, padding and memory; no MFU on CPU."""
+    for m in read_metrics(output):
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
+        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / world)
+        assert 0 <= m["padding_fraction"] < 1 and m["model_tflop_per_s_per_device"] > 0
+        assert "mfu_percent" not in m  # a CPU has no bf16 peak to compare with
+
+
+def assert_ranks_disjoint(run_info: dict, world: int = 2) -> None:
+    """Every rank saw the whole world and trained on its own rows; validation rows held out."""
+    assert run_info["world_size"] == world
+    ranks = {r["rank"]: r for r in run_info["ranks"]}
+    assert sorted(ranks) == list(range(world))
+    assert all(r["world_size"] == world for r in ranks.values())
+    ids = {i: set(r["example_ids"]) for i, r in ranks.items()}
+    assert all(ids.values()) and not set.intersection(*ids.values())
+    assert not set.union(*ids.values()) & set(run_info["eval_example_ids"])
+
+
+def bad_input_args(args: dict) -> list[str]:
+    """``{"--flag": value}`` as a command line (a value of None drops the flag)."""
+    return [x for k, v in args.items() if v is not None for x in (k, v)]
+
+
+def assert_resumed_like_uninterrupted(straight: Path, resumed: Path, from_step: int, steps: int,
+                                      atol: float = 1e-4) -> None:
+    """The resumed run logged steps from_step+1 .. steps with the uninterrupted run's losses
+    (same data order, optimizer, schedule and RNG state)."""
+    got = read_metrics(resumed)
+    assert [m["step"] for m in got] == list(range(from_step + 1, steps + 1))
+    assert [m["loss"] for m in got] == pytest.approx(losses(straight)[from_step:], abs=atol)
+
+
+def assert_refused_to_overwrite(proc: subprocess.CompletedProcess, checkpoints: Path, before: list[str],
+                                resume_flag: str = "--resume") -> None:
+    """A launch into a folder with checkpoints stopped, named the flag to resume, kept every checkpoint."""
+    assert proc.returncode != 0
+    assert f"already holds {len(before)} checkpoint(s)" in proc.stderr and resume_flag in proc.stderr, proc.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
