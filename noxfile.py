@@ -5,13 +5,18 @@
     nox -s demo                     # the 8B recipe on the tiny model, for a first look
     nox -s results                  # regenerate results/README.md and results/throughput.png
 
-Every session installs the one pinned stack (docker/requirements.txt) and the shared
-package as a user would (a regular, non-editable install).
+The sessions that train (unit, every recipe, demo) share one environment, ``.nox/stack``: the
+pinned stack (docker/requirements.txt + requirements-dev.txt), built once and rebuilt only when
+a lock file changes, with DeepSpeed's CPU ops compiled once into it. Each session reinstalls the
+shared package as a user would (a regular, non-editable install).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -20,14 +25,33 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora"]
 
 ROOT = Path(__file__).parent
+STACK = ROOT / ".nox/stack"
+LOCKS = ("docker/requirements.txt", "docker/requirements-dev.txt", "docker/install-python-deps.sh")
 
 
-def install_stack(session: nox.Session) -> None:
-    session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", external=True)
-    # DeepSpeed JIT-builds its CPU ops into ~/.cache/torch_extensions, keyed by op name only:
-    # venvs sharing it rebuild each other's builds (a minute or more each). One cache per venv.
-    session.env["TORCH_EXTENSIONS_DIR"] = str(Path(session.virtualenv.location) / "torch_extensions")
-    session.install("--no-deps", "--force-reinstall", str(ROOT))
+def stack(session: nox.Session) -> dict[str, str]:
+    """Create (or reuse) the shared environment, install the package into it, and return the
+    environment variables that put it first on PATH."""
+    digest = hashlib.sha256(b"".join((ROOT / lock).read_bytes() for lock in LOCKS)).hexdigest()
+    stamp = STACK / "locks.sha256"
+    env = {"PATH": f"{STACK / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(STACK),
+           # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: one cache for
+           # this environment, so the ops are compiled once for every session.
+           "TORCH_EXTENSIONS_DIR": str(STACK / "torch_extensions")}
+    if not stamp.is_file() or stamp.read_text() != digest:
+        session.log(f"building the shared environment {STACK} from {', '.join(LOCKS)}")
+        shutil.rmtree(STACK, ignore_errors=True)
+        session.run(sys.executable, "-m", "venv", str(STACK), external=True)
+        session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", env=env, external=True)
+        stamp.write_text(digest)
+    session.run(str(STACK / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
+                str(ROOT), env=env, external=True)
+    return env
+
+
+def run_in_stack(session: nox.Session, *args: str) -> None:
+    env = stack(session)
+    session.run(str(STACK / "bin" / args[0]), *args[1:], env=env, external=True)
 
 
 @nox.session
@@ -40,52 +64,53 @@ def lint(session: nox.Session) -> None:
             session.run("hadolint", "--failure-threshold", "warning", str(dockerfile))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def unit(session: nox.Session) -> None:
     """Unit tests of the shared package and the shipped configs."""
-    install_stack(session)
-    session.run("pytest", "tests/unit", *session.posargs)
+    run_in_stack(session, "pytest", "tests/unit", *session.posargs)
 
 
-@nox.session(name="recipe-llama3-8b-zero3")
-def recipe_llama3_8b_zero3(session: nox.Session) -> None:
-    """The 8B recipe's own train.py and configs on a tiny Llama 3, 2 CPU processes."""
-    install_stack(session)
-    session.run("pytest", "tests/recipes/test_llama3_8b_zero3.py", *session.posargs)
+# One session per recipe, named like its folder: its own train.py and configs on a tiny model.
+RECIPE_SESSIONS = {
+    "llama3-8b-zero3": "tiny Llama 3, 2 CPU processes",
+    "llama2-13b-zero2": "tiny Llama 2, 2 CPU processes, both launchers",
+    "llama3-70b-qlora": "two-node job (2 launchers, 1 CPU rank each)",
+}
 
 
-@nox.session(name="recipe-llama2-13b-zero2")
-def recipe_llama2_13b_zero2(session: nox.Session) -> None:
-    """The 13B recipe's own train.py and configs on a tiny Llama 2, 2 CPU processes, both launchers."""
-    install_stack(session)
-    session.run("pytest", "tests/recipes/test_llama2_13b_zero2.py", *session.posargs)
+def recipe_session(name: str, what: str) -> None:
+    def run(session: nox.Session) -> None:
+        run_in_stack(session, "pytest", f"tests/recipes/test_{name.replace('-', '_')}.py", *session.posargs)
+
+    run.__doc__ = f"The {name} recipe end to end: {what}."
+    nox.session(name=f"recipe-{name}", venv_backend="none")(run)
 
 
-@nox.session(name="recipe-llama3-70b-qlora")
-def recipe_llama3_70b_qlora(session: nox.Session) -> None:
-    """The 70B QLoRA recipe's own train.py and configs as a two-node job (2 launchers, 1 CPU rank each)."""
-    install_stack(session)
-    session.run("pytest", "tests/recipes/test_llama3_70b_qlora.py", *session.posargs)
+for _name, _what in RECIPE_SESSIONS.items():
+    recipe_session(_name, _what)
 
 
-@nox.session(default=False)
+@nox.session(default=False, venv_backend="none")
 def demo(session: nox.Session) -> None:
     """Fine-tune a tiny Llama 3 on the shipped sample with the 8B recipe (2 CPU processes)."""
-    install_stack(session)
+    env = stack(session)
+    python = str(STACK / "bin/python")
     model = ROOT / "build/tiny-llama3"
     if not (model / "config.json").is_file():
-        session.run("python", "-m", "finetune_kit.tiny", "--family", "llama3", "--out", str(model))
+        session.run(python, "-m", "finetune_kit.models.tiny", "--family", "llama3", "--out", str(model), env=env,
+                    external=True)
     output = ROOT / "out/demo/llama3-8b-zero3"
     if output.exists():
         session.log(f"removing the previous demo run in {output}")
         shutil.rmtree(output)
     session.chdir(ROOT / "recipes/llama3-8b-zero3")
     session.run(
-        "accelerate", "launch", "--config_file", "configs/zero3.yaml", "--num_processes", "2",
+        str(STACK / "bin/accelerate"), "launch", "--config_file", "configs/zero3.yaml", "--num_processes", "2",
         "train.py", "--model", str(model),
-        "--data", str(ROOT / "shared/finetune_kit/sample_data/instructions.jsonl"),
+        "--data", str(ROOT / "shared/finetune_kit/data/samples/instructions.jsonl"),
         "--output", str(output), "--max-seq-len", "256", "--micro-batch-size", "4",
         "--grad-accum", "2", "--epochs", "3", "--lr", "1e-3", "--save-every", "30", "--log-every", "5",
+        env=env, external=True,
     )
     session.log(f"demo finished: model in {output / 'model'}, per-step metrics in {output / 'metrics.jsonl'}")
 
@@ -96,4 +121,4 @@ def results(session: nox.Session) -> None:
     (needs only pydantic and matplotlib, pinned by the same lock files)."""
     session.install("-c", "docker/requirements.txt", "-c", "docker/requirements-dev.txt", "pydantic", "matplotlib")
     session.install("--no-deps", "--force-reinstall", str(ROOT))
-    session.run("python", "-m", "finetune_kit.report", *session.posargs)
+    session.run("python", "-m", "finetune_kit.results", *session.posargs)
