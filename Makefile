@@ -25,7 +25,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
-	memory-tables image clean
+	memory-tables image gpu-check wheelhouse clean
 
 help: ## this list
 	@echo "make <target> [VARIABLE=value ...]"
@@ -65,6 +65,18 @@ recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=.
 	cd $(RECIPE_8B) && set -x && accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
 	  --output "$(abspath $(OUTPUT))"
+
+# Every recipe's code path on the real architectures truncated to a few layers, on this machine's GPU
+# (a tiny width on CPU), with a summary table; needs the pinned stack installed (as for the recipes).
+GPU_CHECK_ARGS ?=
+gpu-check: ## every recipe on one GPU: real shapes, tokens/s, MFU, memory vs the planner (GPU_CHECK_ARGS=...)
+	$(PYTHON) -m finetune_kit.gpu_check --out "$(CURDIR)/out/gpu-check" $(GPU_CHECK_ARGS)
+
+# Wheels of the whole pinned stack (DeepSpeed built as a wheel) for hosts without a package index;
+# install there with `bash docker/install-python-deps.sh --wheelhouse DIR [--keep-torch]`.
+WHEELHOUSE ?= $(CURDIR)/wheelhouse
+wheelhouse: ## wheels of the pinned stack for offline hosts (WHEELHOUSE=dir; NO_TORCH=1: the host has torch)
+	bash docker/build-wheelhouse.sh $(if $(NO_TORCH),--no-torch) "$(WHEELHOUSE)"
 
 # The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
 RECIPE ?= llama3-8b-zero3

@@ -22,7 +22,8 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora"]
+nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora",
+                        "gpu-check-cpu", "wheelhouse"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -88,6 +89,40 @@ def recipe_session(name: str, what: str) -> None:
 
 for _name, _what in RECIPE_SESSIONS.items():
     recipe_session(_name, _what)
+
+
+@nox.session(name="gpu-check-cpu", venv_backend="none")
+def gpu_check_cpu(session: nox.Session) -> None:
+    """The GPU check (make gpu-check) at a tiny width on CPU: every recipe's code path, its records."""
+    run_in_stack(session, "pytest", "tests/recipes/test_gpu_check.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def wheelhouse(session: nox.Session) -> None:
+    """The offline install: a wheelhouse of the whole pinned stack (DeepSpeed built as a wheel),
+    installed into a fresh environment with pip's --no-index, then imported."""
+    env = stack(session)  # DeepSpeed's wheel is built against the pinned torch installed there
+    house, target = ROOT / ".nox/wheelhouse", ROOT / ".nox/offline"
+    for folder in (house, target):
+        shutil.rmtree(folder, ignore_errors=True)
+    session.run("bash", str(ROOT / "docker/build-wheelhouse.sh"), str(house), env=env, external=True)
+    session.run(sys.executable, "-m", "venv", str(target), external=True)
+    offline = {"PATH": f"{target / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(target),
+               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}  # no index, no other folder: only the wheelhouse
+    session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--wheelhouse", str(house), env=offline,
+                external=True)
+    session.run(str(target / "bin/python"), "-c", IMPORT_CHECK, env=offline, external=True)
+
+
+IMPORT_CHECK = """
+import importlib.metadata as md
+import accelerate, bitsandbytes, datasets, deepspeed, peft, torch, transformers
+pins = dict(l.split("==") for l in open("docker/requirements.txt") if "==" in l and not l.startswith("#"))
+for lib in ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsandbytes", "datasets"):
+    got = md.version(lib).split("+")[0]
+    assert got == pins[lib].strip(), (lib, got, pins[lib])
+    print(f"{lib} {got}: installed from the wheelhouse")
+"""
 
 
 @nox.session(default=False, venv_backend="none")

@@ -8,7 +8,9 @@
                 every recipe shares, checkpoints, evaluation, the metered HF Trainer
     metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl
     planning/   will it fit? memory per GPU and per node before launch (python -m finetune_kit.planning)
+    gpu_check/  every recipe's code path on the real shapes on one GPU, tiny on CPU (python -m finetune_kit.gpu_check)
     results/    run records and the results/ page built from them (python -m finetune_kit.results)
+    repo/       repository tooling: the generated README blocks (python -m finetune_kit.repo readmes)
 
 A recipe needs a handful of names, importable from here without loading torch until used.
 """

@@ -17,9 +17,9 @@ def test_progress_text_shows_units_and_mfu_only_when_known():
     cpu = {"loss": 2.0, "lr": 1e-4, "tokens_per_s": 1234.5, "model_tflop_per_s_per_device": 0.00123,
            "host_rss_GiB": 1.5}
     assert keys.progress_text(cpu) == ("loss=2.0000, lr=1.00e-04, tok/s=1,234, TFLOP/s/dev=0.00123, "
-                                       "host_rss=1.5GiB")
+                                       "host_rss_GiB=1.5")
     gpu = {**cpu, "mfu_percent": 41.26, "gpu_reserved_GiB": 70.2}
-    assert keys.progress_text(gpu).endswith("mfu=41.3%, gpu_reserved=70.2GiB")
+    assert keys.progress_text(gpu).endswith("mfu=41.3%, gpu_reserved_GiB=70.2")
 
 
 def test_every_step_rate_field_is_a_defined_metric():

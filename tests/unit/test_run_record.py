@@ -113,3 +113,15 @@ def test_run_info_has_one_schema_for_every_recipe(tmp_path):
         record.RunInfo(**run_info(parameter_classes={}))  # a recipe-specific key outside details
     with pytest.raises(ValidationError):
         record.RunInfo(**{k: v for k, v in run_info().items() if k != "saved_to"})
+
+
+def test_software_names_libraries_that_differ_from_the_lock(monkeypatch, tmp_path):
+    from tests.harness import REPO
+
+    pins = record.pinned_versions(REPO / "recipes/llama3-8b-zero3")
+    assert pins["torch"] == "2.13.0" and pins["deepspeed"] == "0.19.8"
+    assert record.pinned_versions(tmp_path) == {}  # a copied recipe folder has no lock beside it
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(record, "pinned_versions", lambda: {**pins, "torch": "2.11.0"})
+    differs = record.software().differs_from_pins
+    assert list(differs) == ["torch"] and differs["torch"].endswith("(pinned 2.11.0)")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from finetune_kit.launch import accelerator as distributed
+from finetune_kit.metering import keys
 from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
@@ -62,3 +63,17 @@ def test_only_the_main_process_writes(monkeypatch, tmp_path):
 def test_trainer_shim_does_nothing_without_a_launcher(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert distributed.trainer_cpu_overrides() == {}
+
+
+def test_fp16_runs_log_the_loss_scale_and_the_skipped_steps(monkeypatch, tmp_path):
+    """fp16 cannot run on a CPU: a stand-in DeepSpeed engine with a loss scaler that has skipped a step."""
+    trainer, cb = fake_trainer(monkeypatch, tmp_path)
+    trainer.model_wrapped = SimpleNamespace(fp16_enabled=lambda: True, skipped_steps=1,
+                                            optimizer=SimpleNamespace(loss_scale=32768.0))
+    trainer.tally.add(torch.tensor([[1]]))
+    cb.on_step_end(None, state(1), None)
+    cb.on_log(None, state(1), None, logs={"loss": 1.0, "learning_rate": 0.1})
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (rec["loss_scale"], rec["skipped_steps"]) == (32768.0, 1)
+    trainer.model_wrapped = SimpleNamespace(fp16_enabled=lambda: False)  # bf16: nothing to report
+    assert keys.loss_scaling(trainer.model_wrapped) == {}

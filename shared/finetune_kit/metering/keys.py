@@ -39,11 +39,25 @@ MFU = Metric("mfu_percent", "%", "mfu", "model FLOPs utilisation against the den
 GPU_ALLOCATED = Metric("gpu_allocated_GiB", "GiB", "gpu_allocated", "peak memory of live tensors (torch allocator)")
 GPU_RESERVED = Metric("gpu_reserved_GiB", "GiB", "gpu_reserved", "peak memory the torch allocator held from the GPU")
 HOST_RSS = Metric("host_rss_GiB", "GiB", "host_rss", "peak resident set size of the process")
+LOSS_SCALE = Metric("loss_scale", "1", "scale", "fp16 dynamic loss scale after the step (fp16 runs only)")
+SKIPPED_STEPS = Metric("skipped_steps", "steps", "skipped",
+                       "optimizer steps skipped so far because fp16 gradients overflowed (fp16 runs only)")
 
 # metrics.jsonl columns, in order; absent ones (MFU on CPU, GPU memory without CUDA) are left out.
 STEP_METRICS = (STEP, EPOCH, LOSS, LR, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
-                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, HOST_RSS)
+                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, HOST_RSS, LOSS_SCALE, SKIPPED_STEPS)
 MEMORY = (GPU_ALLOCATED, GPU_RESERVED, HOST_RSS)
+
+
+def loss_scaling(engine) -> dict[str, float]:
+    """The loss scaler's state of a DeepSpeed engine running fp16: the scale and the steps it
+    skipped on overflow; {} for bf16/fp32 engines (or anything that is not an engine)."""
+    fp16 = getattr(engine, "fp16_enabled", None)
+    if fp16 is None or not fp16():
+        return {}
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    out = {SKIPPED_STEPS.key: int(engine.skipped_steps)}
+    return {LOSS_SCALE.key: float(scale), **out} if scale is not None else out
 
 
 def peak_key(metric: Metric, scope: str = "") -> str:
@@ -67,4 +81,4 @@ def progress_text(record: dict) -> str:
     if MFU.key in record:
         parts.append(f"{MFU.label}={record[MFU.key]:.1f}%")
     metric, value = memory_headline(record)
-    return ", ".join(parts + [f"{metric.label}={value:.1f}{metric.unit}"])
+    return ", ".join(parts + [f"{metric.key}={value:.1f}"])  # the unit is in the key

@@ -108,10 +108,15 @@ class ModelShape:
         return replace(self, name=f"{self.name} (truncated to {layers} layers)", num_hidden_layers=layers)
 
     def identify(self, family: str = "model") -> str:
-        """The known name of this shape (e.g. "llama3-8b"), else a descriptive one."""
+        """The known name of this shape (e.g. "llama3-8b"; "llama3-8b (truncated to 8 layers)" when
+        only the depth is smaller), else a descriptive one."""
         for name, config in KNOWN_MODELS.items():
-            if replace(ModelShape.from_config(config), name=self.name, head_dim=self.head_dim) == self:
+            known = replace(ModelShape.from_config(config), name=self.name, head_dim=self.head_dim)
+            if known == self:
                 return name
+            if self.num_hidden_layers < known.num_hidden_layers and \
+                    replace(known, num_hidden_layers=self.num_hidden_layers) == self:
+                return f"{name} (truncated to {self.num_hidden_layers} layers)"
         return f"{family} ({self.num_hidden_layers} layers, hidden {self.hidden_size})"
 
     # ---- parameter counts (no biases: Llama and MPT have none) ----

@@ -52,6 +52,7 @@ class Software(_Strict):
     python: str
     cuda: str | None
     libraries: dict[str, str | None]
+    differs_from_pins: dict[str, str] = {}  # e.g. a GPU image's own torch: "2.11.0+cu130 (pinned 2.13.0)"
 
 
 class Training(_Strict):
@@ -124,7 +125,23 @@ def software() -> Software:
             versions[lib] = importlib.metadata.version(lib)
         except importlib.metadata.PackageNotFoundError:
             versions[lib] = None
-    return Software(python=platform.python_version(), cuda=torch.version.cuda, libraries=versions)
+    pins = pinned_versions()
+    differs = {lib: f"{v} (pinned {pins[lib]})" for lib, v in versions.items()
+               if v and lib in pins and v.split("+")[0] != pins[lib]}
+    return Software(python=platform.python_version(), cuda=torch.version.cuda, libraries=versions,
+                    differs_from_pins=differs)
+
+
+def pinned_versions(start: Path | None = None) -> dict[str, str]:
+    """The versions of the lock (docker/requirements.txt) of the checkout or image holding ``start``
+    (default: the current folder); empty when there is none, e.g. a recipe folder copied elsewhere."""
+    start = (Path.cwd() if start is None else Path(start)).resolve()
+    for folder in (start, *start.parents):
+        lock = folder / "docker/requirements.txt"
+        if lock.is_file():
+            lines = [line.split("#")[0].strip() for line in lock.read_text().splitlines()]
+            return dict(line.split("==", 1) for line in lines if "==" in line)
+    return {}
 
 
 def git_commit(where: Path) -> str:

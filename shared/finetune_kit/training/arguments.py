@@ -27,7 +27,8 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--eval-fraction", type=float, default=eval_fraction, help=f"share of {examples} held out")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                    help="keep all activations (faster, much more memory)")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N optimizer steps")
+    p.add_argument("--save-every", type=int, default=200,
+                   help="checkpoint every N optimizer steps and at the last (0: none; the model is still saved)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept (0: all)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from the newest checkpoint in --output, or from a given folder")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import checks, env
+from finetune_kit.launch import checks, cuda_ops, env
 from finetune_kit.models import loading as models
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
@@ -106,6 +106,7 @@ class TrainingRun:
                                 micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
                                 gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
                                 adapter=adapter, skip=args.skip_memory_check)
+        cuda_ops.check(ds_config, quantized=method == "qlora")
         output = Path(args.output)
         return cls(recipe, args, output, model_config, ds_path, ds_config, plan,
                    checkpoints.resolve_resume(args.resume, output), method=method, num_labels=num_labels,
@@ -133,6 +134,7 @@ class TrainingRun:
             micro_batch=trainer_kwargs["per_device_train_batch_size"], seq_len=recipe_args.max_seq_len,
             gradient_checkpointing=trainer_kwargs["activation_checkpointing"], skip=recipe_args.skip_memory_check,
             skip_flag="--skip_memory_check", flags=TRAINER_FLAGS)
+        cuda_ops.check(ds_config)
         output = Path(trainer_kwargs["output_dir"])
         resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
                                                  checkpoints.TRAINER_LAYOUT)
@@ -259,7 +261,7 @@ class TrainingRun:
         if self._epoch_done:
             pos.epoch += 1
             pos.batch_in_epoch = 0
-        if pos.step % self.args.save_every == 0 or pos.step == self.total_steps:
+        if self.args.save_every and (pos.step % self.args.save_every == 0 or pos.step == self.total_steps):
             path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step, pos.as_dict(),
                                                keep=self.args.keep_checkpoints)
             self.accelerator.print(f"\ncheckpoint saved: {path}")

@@ -61,7 +61,8 @@ class MeteringCallback(TrainerCallback):
         if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
             return
         record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
-                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **memory.peaks()}
+                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **memory.peaks(),
+                  **keys.loss_scaling(getattr(self.trainer, "model_wrapped", None))}
         logs[keys.TOKENS_PER_S.key] = round(self.rate.tokens_per_s, 1)
         metric, value = keys.memory_headline(record)
         logs[metric.key] = round(value, 2)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# A folder of wheels for the whole pinned stack, for hosts without access to a package index.
+#   bash docker/build-wheelhouse.sh [--no-torch] [--dev] [DIR]       (make wheelhouse; DIR: wheelhouse/)
+#     --no-torch  leave torch and its CUDA libraries out (the host's image brings a CUDA build of torch;
+#                 install with install-python-deps.sh --keep-torch)
+#     --dev       add the test and lint tools (requirements-dev.txt)
+# Run it on a machine with the index and the same Python and platform as the target (the wheels are
+# for this interpreter); DeepSpeed is built into a wheel here, against the pinned torch installed here.
+# Then, on the target:  bash docker/install-python-deps.sh --wheelhouse DIR [--keep-torch]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+no_torch=0 dev=0 out="wheelhouse"
+for arg in "$@"; do
+  case "$arg" in
+    --no-torch) no_torch=1 ;;
+    --dev) dev=1 ;;
+    -*) echo "build-wheelhouse.sh: unknown option '$arg' (use --no-torch, --dev)" >&2; exit 2 ;;
+    *) out="$arg" ;;
+  esac
+done
+mkdir -p "$out"
+rest="$(mktemp)"
+grep -vE '^(torch|deepspeed)==' "$here/requirements.txt" >"$rest"
+download=(python -m pip download --quiet --dest "$out")
+if ((!no_torch)); then
+  "${download[@]}" "$(grep -E '^torch==' "$here/requirements.txt")"  # with its CUDA libraries on GPU platforms
+fi
+"${download[@]}" --no-deps --only-binary=:all: -r "$rest" setuptools wheel
+if ((dev)); then
+  "${download[@]}" --no-deps --only-binary=:all: -r "$here/requirements-dev.txt"
+fi
+python -c "import torch" 2>/dev/null || python -m pip install --quiet "$(grep -E '^torch==' "$here/requirements.txt")"
+python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$out" \
+  "$(grep -E '^deepspeed==' "$here/requirements.txt")"
+echo "wheelhouse: $(find "$out" -name '*.whl' | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"

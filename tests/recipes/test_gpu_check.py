@@ -1,0 +1,50 @@
+"""The GPU check's CPU version end to end: every case runs its recipe's own train.py and configs at
+a tiny width (the fp16 case needs a GPU and is skipped with its reason), and each record describes
+the model that actually ran. This keeps `make gpu-check` from rotting between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from finetune_kit.gpu_check.cases import BY_NAME
+from finetune_kit.gpu_check.models import check_shape
+from tests.harness import REPO, launch_env
+
+pytestmark = pytest.mark.recipe
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu-check")
+    proc = subprocess.run([sys.executable, "-m", "finetune_kit.gpu_check", "--tiny", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=1800, env=launch_env())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "cases passed or were skipped" in proc.stdout
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_every_case_runs_except_fp16_on_cpu(summary):
+    status = {row["case"]: row["status"] for row in summary["cases"]}
+    assert summary["tiny"] is True and set(status) == set(BY_NAME)
+    assert status.pop("llama2-13b-zero2-fp16") == "skipped"
+    assert set(status.values()) == {"ok"}, status
+
+
+def test_records_describe_the_model_that_ran(summary):
+    from finetune_kit.results.record import RunRecord
+
+    for row in summary["cases"]:
+        if row["status"] != "ok":
+            continue
+        case = BY_NAME[row["case"]]
+        record = RunRecord.read(row["record"])
+        num_labels = 2 if case.data == "reviews" else None
+        assert record.model.params_total == check_shape(case.arch, row["layers"], tiny=True).total_params(num_labels)
+        assert record.label == f"gpu check: {case.name}" and record.training.seq_len == row["seq_len"]
+        assert record.measured.padding_fraction == 0  # synthetic data fills every sequence
+        assert row["tokens_per_s_per_device"] > 0 and row["mfu_percent"] is None  # no MFU on a CPU
+        assert row["predicted_gpu_GiB"] > 0 and row["software"]["libraries"]["deepspeed"]

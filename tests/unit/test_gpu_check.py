@@ -1,0 +1,102 @@
+"""The GPU check's models, data and commands, checked without running a recipe (that is the
+gpu-check session's job): truncated shapes count what the planner counts, the data fills every
+sequence, and every case's flags parse with its recipe's own parser."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune_kit.gpu_check.cases import CASES, recipe_flags
+from finetune_kit.gpu_check.models import build_model, check_config, check_shape, write_data
+from finetune_kit.launch import cuda_ops
+from finetune_kit.models.shapes import from_config, resolve_model
+from tests.conftest import load_script
+from tests.harness import REPO
+
+
+@pytest.mark.parametrize("arch, layers", [("llama3-8b", 8), ("llama2-13b", 4), ("llama3.3-70b", 8)])
+def test_truncated_shapes_have_the_planners_parameter_counts(arch, layers):
+    """The model transformers builds from the check config has exactly the parameters the planner and
+    the FLOP formula count for the truncated shape (built on the meta device: no memory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**check_config(arch, layers))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert built == resolve_model(arch).truncated(layers).total_params() == check_shape(arch, layers).total_params()
+    assert from_config(config).name == f"{arch} (truncated to {layers} layers)"  # what the run record says
+
+
+def test_tiny_width_keeps_grouped_attention_and_the_config():
+    config = check_config("llama3-8b", 2, tiny=True)
+    assert (config["vocab_size"], config["hidden_size"], config["rope_theta"]) == (1024, 64, 500000.0)
+    assert config["num_attention_heads"] // config["num_key_value_heads"] == 4  # Llama 3's 32:8
+    assert check_config("llama2-13b", 2, tiny=True)["num_key_value_heads"] == 4  # multi-head stays multi-head
+
+
+@pytest.fixture(scope="module")
+def tiny_check_model(tmp_path_factory):
+    return build_model("llama3-8b", "llama3", 2, tmp_path_factory.mktemp("check") / "m", tiny=True)
+
+
+def test_built_model_loads_with_the_planned_size(tiny_check_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_check_model)
+    assert sum(p.numel() for p in model.parameters()) == check_shape("llama3-8b", 2, tiny=True).total_params()
+    assert model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["instructions", "reviews"])
+def test_synthetic_data_fills_every_sequence(kind, tiny_check_model, tmp_path):
+    """Every example is longer than the sequence length, so truncation leaves no padding."""
+    from finetune_kit import data, models
+    from finetune_kit.data import reviews
+
+    tokenizer = models.load_tokenizer(str(tiny_check_model))
+    path = write_data(kind, tmp_path / f"d.{'csv' if kind == 'reviews' else 'jsonl'}", rows=6, seq_len=64)
+    if kind == "instructions":
+        examples = data.tokenize_rows(data.load_rows(str(path)), tokenizer, 64)
+    else:
+        examples = reviews.tokenize(reviews.load_reviews([str(path)])[0], tokenizer, 64)
+    assert len(examples) == 6 and all(len(ids) == 64 for ids in examples["input_ids"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_case_passes_its_recipes_own_flag_parser(case, monkeypatch):
+    monkeypatch.chdir(REPO / "recipes" / case.recipe)
+    flags = recipe_flags(case, model="m", data="d.jsonl", output="o", steps=8, seq_len=128, micro_batch=2)
+    parsed = load_script(REPO / "recipes" / case.recipe / "train.py").parse_args(flags)
+    if case.trainer:
+        recipe, trainer = parsed
+        assert (trainer["max_steps"], trainer["save_strategy"], recipe.max_seq_len) == (8, "no", 128)
+    else:
+        assert (parsed.max_steps, parsed.save_every, parsed.max_seq_len, parsed.micro_batch_size) == (8, 0, 128, 2)
+
+
+def test_cuda_ops_pick_the_adam_the_config_runs_and_check_nothing_without_cuda():
+    assert cuda_ops.adam_op({"zero_optimization": {"stage": 3}}) == "FusedAdamBuilder"
+    assert cuda_ops.adam_op({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) == "CPUAdamBuilder"
+    if not torch.cuda.is_available():
+        assert cuda_ops.check({"zero_optimization": {"stage": 3}}, quantized=True) == []
+
+
+def test_cuda_mismatch_names_both_versions_and_the_fix():
+    from finetune_kit.errors import ConfigError
+
+    cuda_ops.check_nvcc("12.4", "12.8", "fused_adam")  # same major release: DeepSpeed accepts it
+    with pytest.raises(ConfigError, match=r"fused_adam op with nvcc 11\.8, but torch was built for CUDA 12\.8.*"
+                                          r"Install the CUDA 12\.8 toolkit"):
+        cuda_ops.check_nvcc("11.8", "12.8", "fused_adam")
+
+
+def test_bitsandbytes_without_its_cuda_library_is_named(monkeypatch):
+    from bitsandbytes import cextension
+
+    from finetune_kit.errors import ConfigError
+
+    monkeypatch.setattr(cextension, "lib", cextension.ErrorHandlerMockBNBNativeLibrary("libcudart.so.12 not found"))
+    with pytest.raises(ConfigError, match=r"bitsandbytes .* found no CUDA library"):
+        cuda_ops._bitsandbytes()
