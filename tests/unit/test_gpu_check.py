@@ -34,6 +34,8 @@ def test_tiny_width_keeps_grouped_attention_and_the_config():
     assert (config["vocab_size"], config["hidden_size"], config["rope_theta"]) == (1024, 64, 500000.0)
     assert config["num_attention_heads"] // config["num_key_value_heads"] == 4  # Llama 3's 32:8
     assert check_config("llama2-13b", 2, tiny=True)["num_key_value_heads"] == 4  # multi-head stays multi-head
+    seventy = check_config("llama3.3-70b", 2, tiny=True)  # 64 heads : 8 KV heads
+    assert (seventy["num_attention_heads"], seventy["num_key_value_heads"]) == (8, 1)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,8 @@ def check_config(arch: str, layers: int, tiny: bool = False) -> dict:
     config["num_hidden_layers"] = layers
     if tiny:
         group = known["num_attention_heads"] // known.get("num_key_value_heads", known["num_attention_heads"])
-        config.update(TINY_WIDTH, num_key_value_heads=TINY_WIDTH["num_attention_heads"] // group)
+        heads = max(TINY_WIDTH["num_attention_heads"], group)  # at least one KV head: 70B's 64:8 -> 8:1
+        config.update(TINY_WIDTH, num_attention_heads=heads, num_key_value_heads=heads // group)
     return config
 
 

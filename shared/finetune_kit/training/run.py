@@ -351,7 +351,10 @@ class TrainingRun:
                   f"in this session, {Path(saved_to).name} saved to {saved_to}\n"
                   f"per-step loss, tokens/s and memory: {self.output / 'metrics.jsonl'}; "
                   f"run record: {self.output / 'run_record.json'}")
-        acc.end_training()  # leave the process group before exit: a clean shutdown on every rank
+        # Every rank leaves the process group together, before the interpreter exits: a rank that tears
+        # down its gloo connections while another still writes can die at exit with SIGABRT.
+        acc.wait_for_everyone()
+        acc.end_training()
 
     def record_split(self, train_set, eval_set) -> None:
         """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns)."""
