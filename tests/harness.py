@@ -9,25 +9,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from finetune_kit.gpu_check.run import free_port  # noqa: F401  (re-exported for the recipe tests)
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "shared/finetune_kit/data/samples"
 SAMPLE = SAMPLES / "instructions.jsonl"
 SAMPLE_REVIEWS = SAMPLES / "reviews.csv"
 LOSS_ATOL = 5e-3  # golden losses: CPU bf16 kernels may round differently across CPU generations
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, for a launcher's rendezvous (29500 may be taken)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_env(extra: dict | None = None) -> dict:

@@ -30,6 +30,7 @@ TINY = {"layers": 2, "seq_len": 64, "micro_batch": 2, "steps": 4}
 
 
 def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous (29500 may be taken)."""
     import socket
 
     with socket.socket() as sock:
