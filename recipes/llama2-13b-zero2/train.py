@@ -16,18 +16,19 @@ Every TrainingArguments flag works (--per_device_train_batch_size, --gradient_ac
 --learning_rate, --save_steps, ...); this script only changes their defaults. A value fixed in the
 DeepSpeed JSON must agree with its flag, or the run stops in its first seconds.
 
-Data: JSONL/CSV rows (or a hub dataset) with "prompt" and "response" fields, formatted as
-"<s>[INST] prompt [/INST] response </s>". Outputs under --output_dir: checkpoint-N/ (resume with
---resume_from_checkpoint latest), model/ (consolidated bf16 safetensors + tokenizer),
-metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s, MFU, memory), run_record.json
-(throughput medians, peak memory, hardware and library versions: what results/ collects),
-run_info.json (data split, per-rank optimizer shards, validation, the memory plan).
+Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists (chat "messages",
+ShareGPT, Alpaca, prompt/completion, prompt/response), rendered with Llama 2's chat template,
+"<s>[INST] prompt [/INST] answer </s>" per turn; the loss is on the answers. Outputs under
+--output_dir: checkpoint-N/ (resume with --resume_from_checkpoint latest), model/ (consolidated
+bf16 safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
+MFU, memory), run_record.json (throughput medians, peak memory, hardware and library versions:
+what results/ collects), run_info.json (data split, per-rank optimizer shards, validation, the
+memory plan).
 """
 
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainingArguments, set_seed
@@ -44,12 +45,16 @@ CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
 class RecipeArguments:
     model: str = field(default="meta-llama/Llama-2-13b-hf", metadata={"help": "hub id or local folder"})
     data: str = field(default=None, metadata={"help": ".jsonl/.json/.csv file or hub dataset name"})
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    prompt_format: Literal["llama2", "auto"] = field(
-        default="llama2", metadata={"help": "llama2: [INST] ... [/INST]; auto: chat template or ### Instruction"})
-    max_seq_len: int = field(default=2048, metadata={"help": "tokens; longer examples are truncated"})
-    pack: bool = field(default=False, metadata={"help": "pack several examples per sequence"})
+    data_format: str = field(default="auto", metadata={"help": "messages, sharegpt, alpaca, prompt-completion, "
+                                                                "prompt-response; auto: detected from the columns"})
+    prompt_field: str = field(default="prompt", metadata={"help": "prompt-response format: the prompt's column"})
+    response_field: str = field(default="response", metadata={"help": "prompt-response format: the answer's column"})
+    chat_template: str = field(default="llama2", metadata={
+        "help": "llama2 ([INST] ... [/INST]), llama3, plain, auto (the tokenizer's own, else plain), a .jinja file "
+                "or a tokenizer to borrow it from"})
+    max_seq_len: int = field(default=2048, metadata={"help": "tokens; longer conversations lose turns from the end"})
+    pack: bool = field(default=False, metadata={
+        "help": "several whole examples per sequence; attention stays inside each"})
     eval_fraction: float = field(default=0.05, metadata={"help": "share of rows held out"})
     skip_memory_check: bool = field(
         default=False, metadata={"help": "launch even if the memory planner predicts the run does not fit the GPUs"})
@@ -90,7 +95,7 @@ def main(argv=None) -> None:
     if recipe.data is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     run = TrainingRun.preflight_trainer(RECIPE, recipe, trainer_kwargs, zero_stage=2, configs=CONFIGS)
-    rows = data.load_rows(recipe.data, recipe.prompt_field, recipe.response_field)
+    rows = data.load_rows(recipe.data, recipe.data_format, recipe.prompt_field, recipe.response_field)
 
     # ---- 2. TrainingArguments (fills the JSON's "auto" values); the process group starts here ----
     args = TrainingArguments(**{**trainer_kwargs, **TRAINER_FIXED, **trainer_cpu_overrides()})
@@ -101,17 +106,16 @@ def main(argv=None) -> None:
         print(f"world size {world}, device {args.device}, ZeRO stage 2, config {run.ds_path}, "
               f"batch {args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {world}")
 
-    # ---- 3. Data: tokenise with the prompt masked, hold out a validation split ----
+    # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(recipe.model)
     with args.main_process_first(desc="tokenising"):
-        examples = data.tokenize_rows(rows, tokenizer, recipe.max_seq_len, recipe.prompt_field,
-                                      recipe.response_field, source=recipe.data, prompt_format=recipe.prompt_format)
+        examples, counts = data.tokenize_rows(rows, tokenizer, recipe.max_seq_len, recipe.chat_template)
     train_set, eval_set = data.holdout_split(examples, recipe.eval_fraction, args.seed)
-    if recipe.pack:
+    if recipe.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, recipe.max_seq_len)
-    run.record_split(train_set, eval_set)
-    collate = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
-    recorder = data.RowRecorder(collate)  # the rows this rank loaded, for the run record
+    run.record_split(train_set, eval_set, counts)
+    pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
+    recorder = data.RowRecorder(data.PackedCollator() if recipe.pack else pad)  # rows this rank loaded, for the record
     run.check_enough_data(len(train_set), args)
 
     # ---- 4. Model: every rank holds the bf16 weights; ZeRO-2 splits gradients and optimizer ----
@@ -131,7 +135,7 @@ def main(argv=None) -> None:
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
     if eval_set is not None:
         eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,
-                                                         collate_fn=collate))
+                                                         collate_fn=pad))
         run.evaluate = lambda: {"eval_loss": evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)}
     run.finish(trainer.model_wrapped, saved_to=model_dir, seen_ids=recorder.seen, training={"packing": recipe.pack})
 

@@ -11,7 +11,8 @@ Launch from this folder:
     # one GPU, optimizer states in CPU memory:
     accelerate launch --config_file configs/zero3-offload.yaml train.py --data my_data.jsonl
 
-Data: JSONL/CSV rows (or a hub dataset) with "prompt" and "response" fields. Outputs
+Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists: chat "messages",
+ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
 safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
 MFU, memory; also TensorBoard when installed), run_record.json (throughput medians, peak
@@ -33,11 +34,8 @@ LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
 
 def parse_args(argv=None):
     p = recipe_parser("Llama 3 8B instruction fine-tune with ZeRO-3.", model="meta-llama/Meta-Llama-3-8B",
-                      output="out/llama3-8b-zero3", max_seq_len=2048, lr=2e-5, epochs=3, eval_fraction=0.05)
-    p.add_argument("--data", required=True, help=".jsonl/.json/.csv file or hub dataset name")
-    p.add_argument("--prompt-field", default="prompt")
-    p.add_argument("--response-field", default="response")
-    p.add_argument("--pack", action="store_true", help="pack several examples per sequence")
+                      output="out/llama3-8b-zero3", max_seq_len=2048, lr=2e-5, epochs=3, eval_fraction=0.05,
+                      instruction_data=True)
     return p.parse_args(argv)
 
 
@@ -47,32 +45,32 @@ def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
     run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH,
                                 configs=". Use configs/zero3.json or zero3-offload.json.")
-    rows = data.load_rows(args.data, args.prompt_field, args.response_field)
+    rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
 
     # ---- 2. Distributed setup: the accelerate YAML + DeepSpeed JSON drive everything ----
     accelerator = run.start()
 
-    # ---- 3. Data: tokenise with the prompt masked, hold out a validation split ----
+    # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
     with accelerator.main_process_first():
-        examples = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.prompt_field,
-                                      args.response_field, source=args.data)
+        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.chat_template)
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
-    if args.pack:
+    if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
-    run.record_split(train_set, eval_set)
-    collate = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
-    train_dl = DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True, collate_fn=collate)
-    eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=collate) if eval_set else None
+    run.record_split(train_set, eval_set, counts)
+    pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
+    train_dl = DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
+                          collate_fn=data.PackedCollator() if args.pack else pad)
+    eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=pad) if eval_set else None
     run.plan_steps(train_dl)
 
     # ---- 4. Model: built inside deepspeed.zero.Init, each rank holds only its shard ----
     model = models.load_causal_lm(args.model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
+    model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
 
     # ---- 5. Optimizer from the JSON ("auto" filled here), cosine schedule with warm-up ----
     optimizer, scheduler = run.optimizer_and_schedule(model.parameters())

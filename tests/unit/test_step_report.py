@@ -24,8 +24,8 @@ def test_steps_average_the_loss_and_log_every_n(tmp_path):
                         log_every=2)
     losses = [(2.0, 4.0), (3.0, 1.0), (1.0, 1.0)]
     for step, (a, b) in enumerate(losses, start=1):
-        report.micro_batch(torch.tensor(a), torch.tensor([[1, 1, 1, 0]]))
-        report.micro_batch(torch.tensor(b), torch.tensor([[1, 1, 0, 0]]))
+        report.micro_batch(torch.tensor(a), {"attention_mask": torch.tensor([[1, 1, 1, 0]])})
+        report.micro_batch(torch.tensor(b), {"attention_mask": torch.tensor([[1, 1, 0, 0]])})
         record = report.optimizer_step(step, epoch=0, lr=1e-3)
         assert record["loss"] == pytest.approx((a + b) / 2) and record["tokens"] == 5
         assert record["padding_fraction"] == pytest.approx(3 / 8)

@@ -28,8 +28,8 @@ def test_rates_use_wall_clock_between_steps(monkeypatch):
 def test_tally_counts_real_tokens_padding_and_flops():
     counter = FlopCounter(TINY)
     tally = throughput.StepTally(counter)
-    tally.add(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))  # 5 real tokens in 8 slots, T = 4
-    tally.add(torch.tensor([[1, 1, 1, 1, 1, 1]]))  # 6 real in 6, T = 6
+    tally.add({"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])})  # 5 real tokens in 8 slots, T = 4
+    tally.add({"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1]])})  # 6 real in 6, T = 6
     totals = tally.reduce()
     assert totals == {"tokens": 11, "padded_tokens": 14,
                       "flops": 5 * counter.per_token(4) + 6 * counter.per_token(6)}

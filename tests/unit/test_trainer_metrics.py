@@ -32,12 +32,13 @@ def state(step):
 def test_one_line_per_logged_step_with_the_8b_names(monkeypatch, tmp_path):
     trainer, cb = fake_trainer(monkeypatch, tmp_path)
     cb.on_train_begin(None, state(0), None)
-    trainer.tally.add(torch.tensor([[1, 1, 1, 0]]))  # micro-batches of step 1 (what training_step sees)
-    trainer.tally.add(torch.tensor([[1, 1, 0, 0]]))
+    # micro-batches of step 1 (what training_step sees)
+    trainer.tally.add({"attention_mask": torch.tensor([[1, 1, 1, 0]])})
+    trainer.tally.add({"attention_mask": torch.tensor([[1, 1, 0, 0]])})
     cb.on_step_end(None, state(1), None)
     logs = {"loss": 2.5, "learning_rate": 1e-4}
     cb.on_log(None, state(1), None, logs=logs)
-    trainer.tally.add(torch.tensor([[1, 1]]))
+    trainer.tally.add({"attention_mask": torch.tensor([[1, 1]])})
     cb.on_step_end(None, state(2), None)
     cb.on_log(None, state(2), None, logs={"train_runtime": 3.0})  # the end-of-training summary: skipped
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -54,7 +55,7 @@ def test_one_line_per_logged_step_with_the_8b_names(monkeypatch, tmp_path):
 
 def test_only_the_main_process_writes(monkeypatch, tmp_path):
     trainer, cb = fake_trainer(monkeypatch, tmp_path / "run", main=False)
-    trainer.tally.add(torch.tensor([[1]]))
+    trainer.tally.add({"attention_mask": torch.tensor([[1]])})
     cb.on_step_end(None, state(1), None)
     cb.on_log(None, state(1), None, logs={"loss": 1.0, "learning_rate": 0.1})
     assert not (tmp_path / "run").exists()
@@ -70,7 +71,7 @@ def test_fp16_runs_log_the_loss_scale_and_the_skipped_steps(monkeypatch, tmp_pat
     trainer, cb = fake_trainer(monkeypatch, tmp_path)
     trainer.model_wrapped = SimpleNamespace(fp16_enabled=lambda: True, skipped_steps=1,
                                             optimizer=SimpleNamespace(loss_scale=32768.0))
-    trainer.tally.add(torch.tensor([[1]]))
+    trainer.tally.add({"attention_mask": torch.tensor([[1]])})
     cb.on_step_end(None, state(1), None)
     cb.on_log(None, state(1), None, logs={"loss": 1.0, "learning_rate": 0.1})
     rec = json.loads((tmp_path / "metrics.jsonl").read_text())

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from finetune_kit.data.instructions import SAMPLE_DIR, pad_right, padded_length
+from finetune_kit.data.batching import pad_right, padded_length
+from finetune_kit.data.instructions import SAMPLE_DIR
 from finetune_kit.errors import DataError
 
 SAMPLE_REVIEWS = SAMPLE_DIR / "reviews.csv"

@@ -77,17 +77,21 @@ def _words(rng: random.Random, count: int, vocabulary: list[str]) -> str:
 
 
 def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0) -> Path:
-    """``rows`` examples whose text is longer than ``seq_len`` tokens (so truncation fills every
-    sequence and no token is padding): instruction JSONL or review CSV."""
+    """``rows`` examples longer than ``seq_len`` tokens: instruction JSONL (conversations of many
+    short exchanges, which truncation at turn boundaries cuts to within one exchange of
+    ``seq_len``: nearly no padding) or review CSV (truncation fills every sequence)."""
     rng = random.Random(seed)
     vocabulary = sorted({w for text in sample_texts() for w in text.split()})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "instructions":
         with path.open("w") as f:
+            words = max(1, seq_len // 256)  # per answer: about 1% of the sequence as padding at most
             for _ in range(rows):
-                f.write(json.dumps({"prompt": "Continue the text.", "response": _words(rng, 2 * seq_len, vocabulary)})
-                        + "\n")
+                turns = [[{"role": "user", "content": "Continue."},
+                          {"role": "assistant", "content": _words(rng, words, vocabulary)}]
+                         for _ in range(seq_len // (words + 4) + 1)]  # an exchange is more than words + 4 tokens
+                f.write(json.dumps({"messages": [m for turn in turns for m in turn]}) + "\n")
     elif kind == "reviews":
         with path.open("w", newline="") as f:
             writer = csv.writer(f)

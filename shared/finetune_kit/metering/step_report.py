@@ -2,7 +2,7 @@
 
     report = StepReport(accelerator, flop_counter, output, total_steps=..., initial_step=...,
                         grad_accum=..., log_every=...)
-    ...  each micro-batch:   report.micro_batch(loss, batch["attention_mask"])
+    ...  each micro-batch:   report.micro_batch(loss, batch)
     ...  each optimizer step: report.optimizer_step(step, epoch, lr)
     report.close()
 
@@ -37,9 +37,9 @@ class StepReport:
         self.total_steps, self.grad_accum, self.log_every = total_steps, grad_accum, log_every
         self._loss = torch.zeros(())
 
-    def micro_batch(self, loss: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def micro_batch(self, loss: torch.Tensor, batch: dict) -> None:
         self._loss += loss.detach().float().cpu() / self.grad_accum
-        self.tally.add(attention_mask)
+        self.tally.add(batch)
 
     def optimizer_step(self, step: int, epoch: int, lr: float) -> dict:
         """Close the step (collectives: every rank calls it); return its metrics."""

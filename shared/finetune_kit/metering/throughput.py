@@ -1,7 +1,9 @@
 """Tokens per second, model TFLOP/s and MFU, measured the same way in every recipe.
 
 Only real tokens count: padding is excluded (``attention_mask.sum()``), so a padded batch
-does not look faster than it is; the padding share is reported beside it. Rates are over
+does not look faster than it is; the padding share is reported beside it. A packed batch
+(no attention mask, ``position_ids`` restarting per example) has no padding, and its
+attention FLOPs are those of each example on its own. Rates are over
 wall-clock time between optimizer steps, summed over all ranks, and also given per device.
 FLOPs come from :mod:`finetune_kit.metering.flops` (one stated formula); MFU is against the device's
 dense bf16 peak and is absent on CPUs and unknown devices.
@@ -10,7 +12,7 @@ In a training loop::
 
     tally = StepTally(flop_counter)              # per rank, per optimizer step
     meter = ThroughputMeter(num_devices=world, peak_tflops=flops.peak_tflops(device_name))
-    ...  for each micro-batch:  tally.add(batch["attention_mask"])
+    ...  for each micro-batch:  tally.add(batch)
     ...  at each optimizer step: rate = meter.step(**tally.reduce(accelerator))
     metrics = rate.as_metrics() | memory.peaks()       # metering.memory
     summary = meter.summary(warmup_steps=3)     # medians for the run record
@@ -52,12 +54,13 @@ class StepTally:
     def _zero(self) -> None:
         self.tokens, self.slots, self.flops = 0, 0, 0.0
 
-    def add(self, attention_mask: torch.Tensor) -> None:
-        real = int(attention_mask.sum())
+    def add(self, batch: dict) -> None:
+        """Count one collated micro-batch (``attention_mask``, or packed ``position_ids``)."""
+        real, slots, spans = token_spans(batch)
         self.tokens += real
-        self.slots += attention_mask.numel()
+        self.slots += slots
         if self.flop_counter is not None:
-            self.flops += self.flop_counter.batch(real, seq_len=attention_mask.shape[-1])
+            self.flops += sum(self.flop_counter.batch(tokens, seq_len=length) for tokens, length in spans)
 
     def reduce(self, accelerator=None) -> dict[str, float]:
         """Sums over all ranks (``accelerator.reduce``), then starts the next step at zero."""
@@ -68,6 +71,23 @@ class StepTally:
         tokens, slots, flops = values.tolist()
         return {"tokens": int(tokens), "padded_tokens": int(slots),
                 "flops": flops if self.flop_counter is not None else None}
+
+
+def token_spans(batch: dict) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(real tokens, token slots, [(tokens, attention length), ...])`` of a collated batch.
+
+    Padded: the real tokens attend over the padded length. Packed (no ``attention_mask``):
+    every slot is real, and each example attends over its own length -- it starts where its
+    ``position_ids`` restart at 0.
+    """
+    if "attention_mask" in batch:
+        mask = batch["attention_mask"]
+        real = int(mask.sum())
+        return real, mask.numel(), [(real, mask.shape[-1])]
+    positions = batch["position_ids"].reshape(-1)
+    starts = (positions == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
+    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return positions.numel(), positions.numel(), [(n, n) for n in lengths]
 
 
 class ThroughputMeter:

@@ -22,18 +22,10 @@ from pathlib import Path
 import torch
 
 from finetune_kit.data.instructions import SAMPLE_INSTRUCTIONS
+from finetune_kit.data.templates import SHIPPED as SHIPPED_TEMPLATES
 
-# The Llama 3 chat template, as shipped with the Llama 3 Instruct tokenizers.
-LLAMA3_CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
-    "+ message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
-)
+# The Llama 3 Instruct chat template, as Meta's tokenizers carry it.
+LLAMA3_CHAT_TEMPLATE = SHIPPED_TEMPLATES["llama3"].read_text()
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,27 @@ class Measured(_Strict):
     predicted_gpu_GiB: float | None = None  # the memory planner's prediction, when run
 
 
+class DataCounts(_Strict):
+    """What tokenisation made of the rows; in the run record under ``data``."""
+
+    source: str
+    format: str
+    chat_template: str
+    rows: int  # read from the source
+    examples: int  # sequences kept (before the validation split and packing)
+    truncated: int  # kept, with turns from the end removed to fit max_seq_len
+    dropped_too_long: int  # the first answer alone does not fit max_seq_len
+    dropped_no_answer: int  # no assistant turn with text
+    tokens: int  # in the kept sequences
+    learnt_tokens: int  # of those, carrying loss
+
+    def summary(self) -> str:
+        return (f"data: {self.rows} rows of {self.source} ({self.format}, chat template {self.chat_template}) -> "
+                f"{self.examples} examples, {self.truncated} truncated at a turn, {self.dropped_too_long} dropped "
+                f"as too long, {self.dropped_no_answer} without an answer; {self.learnt_tokens}/{self.tokens} "
+                "tokens carry loss")
+
+
 class RunRecord(_Strict):
     schema_: str = Field(SCHEMA, alias="schema")
     recipe: str
@@ -98,6 +119,7 @@ class RunRecord(_Strict):
     software: Software
     training: Training
     measured: Measured
+    data: DataCounts | None = None  # instruction recipes: what tokenisation kept, truncated, dropped
     notes: str = ""
 
     def write(self, path: Path) -> Path:

@@ -10,9 +10,11 @@ import argparse
 
 
 def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int, lr: float, epochs: int,
-                  eval_fraction: float, examples: str = "sequences") -> argparse.ArgumentParser:
+                  eval_fraction: float, examples: str = "sequences",
+                  instruction_data: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with the common flags and the recipe's defaults; ``examples`` names what
-    one training example is (sequences, reviews) in the help."""
+    one training example is (sequences, reviews) in the help; ``instruction_data`` adds the
+    instruction-data flags (:func:`add_data_arguments`)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=model, help="hub id or local folder")
     p.add_argument("--output", default=output, help="run folder (checkpoints, model, metrics, records)")
@@ -38,4 +40,21 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--skip-memory-check", action="store_true",
                    help="launch even if the memory planner predicts the run does not fit the GPUs")
+    return add_data_arguments(p) if instruction_data else p
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The instruction-data flags: source, format, chat template, packing."""
+    from finetune_kit.data import formats, templates
+
+    p.add_argument("--data", required=True, help=".jsonl/.json/.csv file or hub dataset name")
+    p.add_argument("--data-format", default="auto", choices=formats.NAMES,
+                   help="row shape; auto: detected from the columns")
+    p.add_argument("--prompt-field", default="prompt", help="prompt-response format: the prompt's column")
+    p.add_argument("--response-field", default="response", help="prompt-response format: the answer's column")
+    p.add_argument("--chat-template", default="auto",
+                   help=f"{', '.join(templates.CHOICES)}, a .jinja file, or a tokenizer to borrow it from; "
+                        "auto: the tokenizer's own, else plain")
+    p.add_argument("--pack", action="store_true",
+                   help="several whole examples per sequence; attention stays inside each example")
     return p

@@ -85,6 +85,7 @@ class TrainingRun:
     params_trainable: int = 0
     train_examples: int = 0  # the split, for run_info.json
     eval_example_ids: list[int] = field(default_factory=list)
+    data_counts: object = None  # DataCounts of the instruction recipes, for the run record
     script_args: dict = field(default_factory=dict)  # what configures the run, for the record's config hash
     _lr: float = 0.0  # the learning rate of the step in progress
     _epoch_done: bool = False
@@ -246,7 +247,7 @@ class TrainingRun:
     def micro_batch_done(self, loss, batch) -> None:
         """Account one micro-batch; at an optimizer-step boundary, log, evaluate and save as due.
         Every rank calls it (the step's metrics and a checkpoint are collectives)."""
-        self.report.micro_batch(loss, batch["attention_mask"])
+        self.report.micro_batch(loss, batch)
         pos = self.position
         pos.batch_in_epoch += 1
         if not self.accelerator.sync_gradients:
@@ -334,6 +335,7 @@ class TrainingRun:
                 training={"method": self.method, "seq_len": args.max_seq_len, "micro_batch_size": micro,
                           "grad_accum": accum, "gradient_checkpointing": _checkpointing(args, trainer),
                           **(training or {})})
+            run_record.data = self.data_counts
             run_record.write(self.output / "run_record.json")
             record.RunInfo(
                 recipe=self.recipe, model=args.model, world_size=acc.num_processes, nodes=env.num_nodes(),
@@ -356,10 +358,14 @@ class TrainingRun:
         acc.wait_for_everyone()
         acc.end_training()
 
-    def record_split(self, train_set, eval_set) -> None:
-        """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns)."""
+    def record_split(self, train_set, eval_set, counts=None) -> None:
+        """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns),
+        and ``counts`` (:class:`~finetune_kit.results.record.DataCounts`) for the run record."""
         self.train_examples = len(train_set)
         self.eval_example_ids = example_ids(eval_set) if eval_set is not None else []
+        self.data_counts = counts
+        if counts is not None and env.is_main_rank():
+            print(counts.summary())
 
 
 # ---- helpers ----

@@ -1,6 +1,6 @@
 """The HF ``Trainer``, metered exactly like the accelerate recipes.
 
-``MeteredTrainer`` feeds each micro-batch's attention mask to a :class:`StepTally` (real tokens,
+``MeteredTrainer`` feeds each micro-batch to a :class:`StepTally` (real tokens,
 padded slots, model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimizer step the totals over
 all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and TensorBoard when
 installed) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
@@ -32,7 +32,7 @@ class MeteredTrainer(Trainer):
         self.add_callback(MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero())))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.tally.add(inputs["attention_mask"])
+        self.tally.add(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
 
