@@ -20,6 +20,7 @@ from finetune_kit.gpu_check.run import free_port  # noqa: F401  (re-exported for
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "shared/finetune_kit/data/samples"
 SAMPLE = SAMPLES / "instructions.jsonl"
+SAMPLE_CHAT = SAMPLES / "chat.jsonl"  # multi-turn "messages" rows, some with a system turn
 SAMPLE_REVIEWS = SAMPLES / "reviews.csv"
 LOSS_ATOL = 5e-3  # golden losses: CPU bf16 kernels may round differently across CPU generations
 
@@ -130,6 +131,16 @@ def assert_ranks_disjoint(run_info: dict, world: int = 2) -> None:
     ids = {i: set(r["example_ids"]) for i, r in ranks.items()}
     assert all(ids.values()) and not set.intersection(*ids.values())
     assert not set.union(*ids.values()) & set(run_info["eval_example_ids"])
+
+
+def sample_examples(tokenizer, ids: list[int], max_seq_len: int, chat_template: str = "auto",
+                    source: Path = SAMPLE) -> list[dict]:
+    """The tokenised examples of source rows ``ids`` (in that order), as a recipe makes them."""
+    from finetune_kit import data
+
+    examples, _ = data.tokenize_rows(data.load_rows(str(source)), tokenizer, max_seq_len, chat_template)
+    by_row = {ex["example_ids"][0]: ex for ex in examples}
+    return [by_row[i] for i in ids]
 
 
 def bad_input_args(args: dict) -> list[str]:

@@ -25,6 +25,7 @@ from tests.conftest import write_jsonl
 from tests.harness import (
     REPO,
     SAMPLE,
+    SAMPLES,
     assert_finished,
     assert_matches_golden,
     assert_ranks_disjoint,
@@ -33,6 +34,7 @@ from tests.harness import (
     losses,
     read_metrics,
     read_run_info,
+    sample_examples,
     script_launch,
 )
 
@@ -107,12 +109,8 @@ def test_losses_match_golden(run):
 
 def first_step_examples(run_info: dict, tokenizer, per_rank: int = 4) -> list[dict]:
     """The 8 sequences of optimizer step 1: the first 4 micro-batches of 1 on each rank."""
-    from finetune_kit import data
-
-    rows = data.load_rows(str(SAMPLE))
     ids = [i for r in run_info["ranks"] for i in r["example_ids"][:per_rank]]
-    return [data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], MAX_SEQ_LEN, "llama2")
-            for i in ids]
+    return sample_examples(tokenizer, ids, MAX_SEQ_LEN, "llama2")
 
 
 def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2):
@@ -162,7 +160,7 @@ def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_ll
     sums, counts = [], []
     with torch.no_grad():
         for ex in first_step_examples(run_info, tokenizer):
-            batch = data.PadCollator(tokenizer.pad_token_id)([{**ex, "example_ids": [0]}])
+            batch = data.PadCollator(tokenizer.pad_token_id)([ex])
             s, c = token_loss_sums(model(input_ids=batch["input_ids"]).logits, batch["labels"])
             sums.append(s.item())
             counts.append(c.item())
@@ -226,14 +224,28 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     original = AutoModelForCausalLM.from_pretrained(tiny_llama2)
     assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
 
-    rows = data.load_rows(str(SAMPLE))
-    eval_set = [{**data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], MAX_SEQ_LEN, "llama2"),
-                 "example_ids": [i]} for i in run_info["eval_example_ids"]]
+    eval_set = sample_examples(tokenizer, run_info["eval_example_ids"], MAX_SEQ_LEN, "llama2")
     batch = data.PadCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     sums, counts = token_loss_sums(logits, batch["labels"])
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
+
+
+@pytest.mark.parametrize("sample", ["chat", "sharegpt", "alpaca", "prompt_completion"])
+def test_every_format_trains_with_the_llama2_template(sample, recipe_copy, tiny_llama2, tmp_path):
+    """One optimizer step on one process per format besides prompt/response (the runs above), packed."""
+    from finetune_kit.results.record import RunRecord
+
+    output = tmp_path / "out"
+    proc = launch(recipe_copy, "--model", str(tiny_llama2), "--data", str(SAMPLES / f"{sample}.jsonl"),
+                  "--max_seq_len", str(MAX_SEQ_LEN), "--per_device_train_batch_size", "2",
+                  "--gradient_accumulation_steps", "1", "--max_steps", "1", "--save_strategy", "no",
+                  "--eval_fraction", "0", "--pack", "--output_dir", str(output), nproc=1)
+    assert_finished(proc, 1, sample)
+    data = RunRecord.read(output / "run_record.json").data
+    assert data.chat_template == "llama2" and data.format == {"chat": "messages"}.get(sample, sample.replace("_", "-"))
+    assert read_metrics(output)[0]["padding_fraction"] == 0  # packed: the Trainer got no padding either
 
 
 def test_offload_config_trains_with_cpu_adam(run, short_run):
@@ -266,7 +278,8 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
 
 @pytest.mark.parametrize("case, pattern", [
     ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
-    ("missing_fields", r"has no field 'response'"),
+    ("missing_fields", r"columns \['prompt', 'answer'\], which match no known format"),
+    ("forced_format_lacks_columns", r"--data-format sharegpt, which needs the column\(s\) 'conversations'"),
     ("no_deepspeed", r"no DeepSpeed config: pass --deepspeed configs/zero2\.json"),
     ("zero3_config", r"sets ZeRO stage 3; this recipe is ZeRO-2"),
     ("seq_len_too_long", r"--max-seq-len 8192 is above the limit .*max_position_embeddings = 512"),
@@ -285,6 +298,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--data"] = str(tmp_path / "absent.jsonl")
     elif case == "missing_fields":
         args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    elif case == "forced_format_lacks_columns":
+        args["--data_format"] = "sharegpt"
     elif case == "no_deepspeed":
         del args["--deepspeed"]
     elif case == "zero3_config":

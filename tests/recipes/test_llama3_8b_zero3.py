@@ -22,6 +22,8 @@ from tests.conftest import write_jsonl
 from tests.harness import (
     REPO,
     SAMPLE,
+    SAMPLE_CHAT,
+    SAMPLES,
     accelerate_launch,
     assert_failed_early,
     assert_finished,
@@ -34,18 +36,20 @@ from tests.harness import (
     losses,
     read_metrics,
     read_run_info,
+    sample_examples,
 )
 
 pytestmark = pytest.mark.recipe
 
 RECIPE = REPO / "recipes/llama3-8b-zero3"
 GOLDEN = REPO / "tests/golden/llama3-8b-zero3.json"
+CHAT_GOLDEN = REPO / "tests/golden/llama3-8b-zero3-chat-packed.json"
 LAUNCH_ENV = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/zero3.json"}  # what accelerate launch passes
 STEPS, SAVE_EVERY = 8, 4
 
 
-def sizes(model: Path) -> list[str]:
-    return ["--model", str(model), "--data", str(SAMPLE), "--max-seq-len", "128",
+def sizes(model: Path, data: Path = SAMPLE) -> list[str]:
+    return ["--model", str(model), "--data", str(data), "--max-seq-len", "128",
             "--micro-batch-size", "4", "--grad-accum", "2", "--lr", "1e-3"]
 
 
@@ -145,16 +149,59 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
 
     tokenizer = models.load_tokenizer(str(run / "model"))
-    rows = data.load_rows(str(SAMPLE))
-    eval_set = [data.tokenize_example(tokenizer, rows[i]["prompt"], rows[i]["response"], 128)
-                for i in run_info["eval_example_ids"]]
-    batch = data.PadCollator(tokenizer.pad_token_id)([{**ex, "example_ids": [0]} for ex in eval_set])
+    eval_set = sample_examples(tokenizer, run_info["eval_example_ids"], 128)
+    batch = data.PadCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         assert torch.equal(logits, rebuilt(input_ids=batch["input_ids"],
                                            attention_mask=batch["attention_mask"]).logits)
     sums, counts = token_loss_sums(logits, batch["labels"])
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def chat_run(recipe_copy, tiny_llama3, tmp_path_factory):
+    """Multi-turn conversations with system turns, packed: the same command with --data and --pack."""
+    output = tmp_path_factory.mktemp("runs") / "chat"
+    proc = launch(recipe_copy, *sizes(tiny_llama3, SAMPLE_CHAT), "--pack", "--output", str(output),
+                  "--max-steps", str(STEPS), "--save-every", "0")
+    assert_finished(proc, STEPS, "multi-turn packed run")
+    return output, proc.stdout
+
+
+def test_multi_turn_packed_run_matches_golden(chat_run):
+    output, _ = chat_run
+    got = losses(output)
+    assert sum(got[-2:]) / 2 < got[0] - 0.2, got
+    assert_matches_golden(got, CHAT_GOLDEN, STEPS)
+
+
+def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
+    from finetune_kit import data, models
+    from finetune_kit.results.record import RunRecord
+
+    output, stdout = chat_run
+    rec = RunRecord.read(output / "run_record.json")
+    _, expected = data.tokenize_rows(data.load_rows(str(SAMPLE_CHAT)), models.load_tokenizer(str(tiny_llama3)), 128)
+    assert rec.data == expected and rec.training.packing
+    assert (rec.data.format, rec.data.chat_template) == ("messages", "tokenizer's own")
+    assert rec.data.truncated > 0 and rec.data.examples + rec.data.dropped_too_long == rec.data.rows
+    assert expected.summary() in stdout  # said at the start, too
+    metrics = read_metrics(output)
+    assert all(m["padding_fraction"] == 0 for m in metrics)  # packed rows are laid end to end, unpadded
+    info = read_run_info(output)
+    assert_ranks_disjoint(info)
+    assert info["train_examples"] < rec.data.examples  # several conversations per packed row
+
+
+@pytest.mark.parametrize("sample", ["sharegpt", "alpaca", "prompt_completion"])
+def test_every_format_trains(sample, recipe_copy, tiny_llama3, tmp_path):
+    """One optimizer step on one process per remaining format (messages and prompt/response run above)."""
+    proc = launch(recipe_copy, "--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"),
+                  "--max-seq-len", "128", "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
+                  "--save-every", "0", "--eval-fraction", "0", "--output", str(tmp_path / "out"), nproc=1)
+    assert_finished(proc, 1, sample)
+    assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in proc.stdout
 
 
 def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path):
@@ -185,7 +232,9 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
 
 @pytest.mark.parametrize("case, pattern", [
     ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
-    ("missing_fields", r"has no field 'response'"),
+    ("missing_fields", r"columns \['prompt', 'answer'\], which match no known format"),
+    ("not_json", r"d\.jsonl', line 2: not JSON"),
+    ("unknown_template", r"chat template 'llama9' is not one of auto, llama2, llama3, plain"),
     ("empty_after_filter", r"no training examples left"),
     ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
     ("no_model", r"model path '/no/such/model' does not exist"),
@@ -199,6 +248,11 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--data"] = str(tmp_path / "absent.jsonl")
     elif case == "missing_fields":
         args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    elif case == "not_json":
+        args["--data"] = str(tmp_path / "d.jsonl")
+        (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a",\n')
+    elif case == "unknown_template":
+        args["--chat-template"] = "llama9"
     elif case == "empty_after_filter":
         args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "word " * 200, "response": "b"}])
     elif case == "seq_len_too_long":
