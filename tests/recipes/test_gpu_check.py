@@ -45,6 +45,7 @@ def test_records_describe_the_model_that_ran(summary):
         num_labels = 2 if case.data == "reviews" else None
         assert record.model.params_total == check_shape(case.arch, row["layers"], tiny=True).total_params(num_labels)
         assert record.label == f"gpu check: {case.name}" and record.training.seq_len == row["seq_len"]
-        assert record.measured.padding_fraction == 0  # synthetic data fills every sequence
+        # synthetic reviews fill every sequence; conversations end at a turn, one short exchange before the end
+        assert record.measured.padding_fraction < (0.15 if case.data == "instructions" else 1e-9)
         assert row["tokens_per_s_per_device"] > 0 and row["mfu_percent"] is None  # no MFU on a CPU
         assert row["predicted_gpu_GiB"] > 0 and row["software"]["libraries"]["deepspeed"]
