@@ -9,8 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,14 +41,71 @@ def run_command(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.Com
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=launch_env())
 
 
+def accelerate_command(*args: str, config: str, nproc: int = 2, launcher_args=()) -> list[str]:
+    """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS``."""
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *launcher_args,
+            "train.py", *args]
+
+
 def accelerate_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launcher_args=(), timeout: int = 900):
-    """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS`` from ``cwd``."""
-    cmd = ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *launcher_args,
-           "train.py", *args]
-    return run_command(cmd, cwd, timeout)
+    """:func:`accelerate_command` run from ``cwd``."""
+    return run_command(accelerate_command(*args, config=config, nproc=nproc, launcher_args=launcher_args), cwd, timeout)
 
 
-def script_launch(cwd: Path, *args: str, launcher: str = "deepspeed", nproc: int = 2, timeout: int = 900):
+def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: int, signalled: tuple[int, ...] = (0,),
+                   sig: int = signal.SIGTERM, ranks_only: bool = False,
+                   timeout: int = 900) -> tuple[list[subprocess.CompletedProcess], float]:
+    """Start ``cmds`` together (one launcher per node); once ``output/metrics.jsonl`` has logged
+    ``after_step``, send ``sig`` to every process of the jobs numbered in ``signalled`` (each
+    launcher's process group, as Ctrl-C in a terminal or a scheduler's signal reaches them all;
+    with ``ranks_only``, to the launcher's descendants alone, as ``pkill -f train.py`` does).
+    Return the launchers' processes, with the output of their whole groups, and the seconds from
+    the signal until every process of every group has exited."""
+    logs = Path(tempfile.mkdtemp(prefix="signalled-"))
+    procs = []
+    for n, cmd in enumerate(cmds):
+        with (logs / f"{n}.out").open("w") as out, (logs / f"{n}.err").open("w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, text=True, stdout=out, stderr=err, env=launch_env(),
+                                          start_new_session=True))
+    start = time.monotonic()
+    metrics = output / "metrics.jsonl"
+    while all(p.poll() is None for p in procs) and time.monotonic() - start < timeout:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= after_step:
+            break
+        time.sleep(0.1)
+    sent = time.monotonic()
+    for n in signalled:
+        if procs[n].poll() is None and ranks_only:
+            import psutil
+
+            for child in psutil.Process(procs[n].pid).children(recursive=True):
+                child.send_signal(sig)
+        elif procs[n].poll() is None:
+            os.killpg(procs[n].pid, sig)
+    # a launcher may go before its ranks (DeepSpeed's runner dies at once): wait for whole groups
+    while any(p.poll() is None or _group_alive(p.pid) for p in procs) and time.monotonic() - sent < timeout:
+        time.sleep(0.1)
+    for p in procs:
+        if _group_alive(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    elapsed = time.monotonic() - sent
+    done = [subprocess.CompletedProcess(cmd, p.returncode, (logs / f"{n}.out").read_text(),
+                                        (logs / f"{n}.err").read_text())
+            for n, (cmd, p) in enumerate(zip(cmds, procs, strict=True))]
+    shutil.rmtree(logs)
+    return done, elapsed
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def script_command(*args: str, launcher: str = "deepspeed", nproc: int = 2) -> list[str]:
     """``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` on train.py, free port."""
     port = str(free_port())
     if launcher == "deepspeed":
@@ -53,7 +114,12 @@ def script_launch(cwd: Path, *args: str, launcher: str = "deepspeed", nproc: int
         cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
     else:
         raise ValueError(f"launcher {launcher!r}: deepspeed or torchrun")
-    return run_command([*cmd, "train.py", *args], cwd, timeout)
+    return [*cmd, "train.py", *args]
+
+
+def script_launch(cwd: Path, *args: str, launcher: str = "deepspeed", nproc: int = 2, timeout: int = 900):
+    """:func:`script_command` run from ``cwd``."""
+    return run_command(script_command(*args, launcher=launcher, nproc=nproc), cwd, timeout)
 
 
 def launch_nodes(cwd: Path, commands: list[list[str]], envs: list[dict | None], timeout: int = 600):

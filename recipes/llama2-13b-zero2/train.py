@@ -72,6 +72,7 @@ TRAINER_DEFAULTS = dict(
     activation_checkpointing=True,  # less activation memory for about a third more compute
     logging_steps=1, save_steps=200, save_total_limit=2, report_to="none", seed=42,
     bf16=None, fp16=None,  # None: taken from the DeepSpeed JSON
+    resume_from_checkpoint="auto",  # the newest checkpoint in --output_dir if any; never over a finished run
 )
 # What the code below relies on: real-token counting for tokens/s, example ids kept for the run record.
 TRAINER_FIXED = dict(include_num_input_tokens_seen="non_padding", remove_unused_columns=False,

@@ -16,6 +16,7 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,9 @@ from tests.harness import (
     losses,
     read_metrics,
     read_run_info,
+    run_and_signal,
     sample_examples,
+    script_command,
     script_launch,
 )
 
@@ -276,6 +279,26 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
     assert not get_accelerator().is_fp16_supported()  # why this test stops at the parser
 
 
+def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recipe_copy, tiny_llama2, tmp_path):
+    """SIGTERM to every process of the job mid-run: the Trainer saves the step it is at and every
+    rank exits 0 without writing a final model; the unchanged command finishes the run with the
+    uninterrupted losses. (The deepspeed launcher, signalled too, exits non-zero.)"""
+    output = tmp_path / "preempted"
+    args = ("--deepspeed", "configs/zero2.json", *sizes(tiny_llama2), "--output_dir", str(output),
+            "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--save_total_limit", "0")
+    [proc], seconds = run_and_signal([script_command(*args)], recipe_copy, output, after_step=2)
+    stopped = re.search(rf"stopped by SIGTERM after step (\d+) of {STEPS}; checkpoint: (\S+)\. Run", proc.stdout)
+    assert stopped, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    step = int(stopped.group(1))
+    assert 2 <= step < STEPS and Path(stopped.group(2)) == output / f"checkpoint-{step}"
+    assert (output / f"checkpoint-{step}/trainer_state.json").is_file() and not (output / "model").exists()
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
+
+    assert_finished(launch(recipe_copy, *args[2:]), STEPS, "relaunch")
+    assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+
+
 @pytest.mark.parametrize("case, pattern", [
     ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
     ("missing_fields", r"columns \['prompt', 'answer'\], which match no known format"),
@@ -283,7 +306,8 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
     ("no_deepspeed", r"no DeepSpeed config: pass --deepspeed configs/zero2\.json"),
     ("zero3_config", r"sets ZeRO stage 3; this recipe is ZeRO-2"),
     ("seq_len_too_long", r"--max-seq-len 8192 is above the limit .*max_position_embeddings = 512"),
-    ("existing_checkpoints", r"already holds 1 checkpoint\(s\).*--resume_from_checkpoint"),
+    ("finished_run", r"holds a finished run \(run_record\.json\) and already holds 1 checkpoint\(s\).*"
+                     r"--resume_from_checkpoint latest"),
     # transformers would stop only inside trainer.train(), after loading the model
     ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
                                r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
@@ -317,9 +341,10 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--deepspeed"] = str(tmp_path / "configs/bad.json")
         args["--per_device_train_batch_size"] = "4" if case == "accum_contradicts_json" else "1"
         args["--gradient_accumulation_steps"] = "2" if case == "accum_contradicts_json" else "4"
-    elif case == "existing_checkpoints":
+    elif case == "finished_run":
         (tmp_path / "out/checkpoint-4").mkdir(parents=True)
         (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
+        (tmp_path / "out/run_record.json").write_text("{}")
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
-    assert case == "existing_checkpoints" or not (tmp_path / "out").exists()
+    assert case == "finished_run" or not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from tests.harness import (
     losses,
     read_metrics,
     read_run_info,
+    run_and_signal,
 )
 
 pytestmark = pytest.mark.recipe
@@ -211,6 +213,30 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     head = next(t for k, t in load_file(output / "adapter/adapter_model.safetensors").items() if "score" in k)
     assert torch.equal(merged.score.weight, head.to(merged.score.weight.dtype))
     assert merged.config.pad_token_id is not None
+
+
+def test_a_preempted_worker_node_stops_both_nodes_with_a_checkpoint(run, recipe_copy, tiny_llama3, tmp_path):
+    """SIGTERM to the worker node's training processes only: both nodes stop after the same step
+    with one checkpoint and both launchers exit 0; the same two commands then finish the run with
+    the uninterrupted losses. (Signalling a node's launcher too makes torch's agent on the other
+    node wait out its 5-minute exit barrier: the README says so.)"""
+    output = tmp_path / "preempted"
+    args = (*sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+            "--keep-checkpoints", "0")
+    port = free_port()
+    commands = [node_command(MAIN, "127.0.0.1", port, args), node_command(WORKER, "127.0.0.1", port, args)]
+    (main, worker), seconds = run_and_signal(commands, recipe_copy, output, after_step=2, signalled=(1,),
+                                             ranks_only=True)
+    stopped = re.search(rf"stopped by a stop signal to another rank after step (\d+) of {STEPS}; checkpoint: "
+                        r"(\S+)\. Run", main.stdout)
+    assert stopped, f"{main.stdout[-2000:]}\n{main.stderr[-3000:]}\n{worker.stderr[-3000:]}"
+    step = int(stopped.group(1))
+    assert 2 <= step < STEPS and Path(stopped.group(2)) == output / f"checkpoints/step_{step:06d}"
+    assert main.returncode == worker.returncode == 0 and "SIGTERM received" in worker.stderr
+    assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
+
+    assert_ok(launch_two_nodes(recipe_copy, *args))
+    assert losses(output) == pytest.approx(losses(run), abs=1e-4)
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):

@@ -12,6 +12,8 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from tests.harness import (
     SAMPLE,
     SAMPLE_CHAT,
     SAMPLES,
+    accelerate_command,
     accelerate_launch,
     assert_failed_early,
     assert_finished,
@@ -36,6 +39,7 @@ from tests.harness import (
     losses,
     read_metrics,
     read_run_info,
+    run_and_signal,
     sample_examples,
 )
 
@@ -204,13 +208,46 @@ def test_every_format_trains(sample, recipe_copy, tiny_llama3, tmp_path):
     assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in proc.stdout
 
 
-def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path):
-    output = tmp_path / "resumed"
+def test_relaunching_the_same_command_resumes_past_an_interrupted_save(run, recipe_copy, tiny_llama3, tmp_path):
+    """An output holding step 4 and the remains of a save of step 8 that never completed (a
+    killed process leaves only the .partial folder): the unchanged command deletes the remains,
+    resumes from step 4 and trains on like the uninterrupted run."""
+    output = tmp_path / "interrupted"
+    shutil.copytree(run / f"checkpoints/step_{SAVE_EVERY:06d}", output / f"checkpoints/step_{SAVE_EVERY:06d}")
+    partial = output / f"checkpoints/step_{STEPS:06d}.partial"
+    shutil.copytree(run / f"checkpoints/step_{STEPS:06d}", partial, ignore=shutil.ignore_patterns("*.json"))
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"))
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
     assert_finished(proc, STEPS)
+    assert f"removed {partial}: a checkpoint save that never completed" in proc.stdout
     assert f"at step {SAVE_EVERY}" in proc.stdout
     assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == [f"step_{SAVE_EVERY:06d}", f"step_{STEPS:06d}"]
+    assert (output / f"checkpoints/step_{STEPS:06d}/manifest.json").is_file()
+
+
+def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recipe_copy, tiny_llama3, tmp_path):
+    """SIGTERM to every process of the job mid-run: the ranks agree to stop after the same step,
+    checkpoint it and exit 0; the unchanged command then finishes with the uninterrupted losses.
+    (The launcher, signalled too, reports the signal it got and exits non-zero.)"""
+    output = tmp_path / "preempted"
+    args = (*sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+            "--keep-checkpoints", "0")
+    [proc], seconds = run_and_signal([accelerate_command(*args, config="configs/zero3.yaml")], recipe_copy, output,
+                                     after_step=2)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+) of 8; checkpoint: (\S+)\. Run the same", proc.stdout)
+    assert stopped, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    step = int(stopped.group(1))
+    assert 2 <= step < STEPS and Path(stopped.group(2)) == output / f"checkpoints/step_{step:06d}"
+    assert (output / f"checkpoints/step_{step:06d}/manifest.json").is_file()
+    assert "SIGTERM received: stopping after this optimizer step" in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert proc.returncode != 0 and "got signal: 15" in proc.stderr  # the launcher's own report
+    assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
+    assert [m["step"] for m in read_metrics(output)] == list(range(1, step + 1))
+
+    assert_finished(launch(recipe_copy, *args), STEPS, "relaunch")
+    assert losses(output) == pytest.approx(losses(run), abs=1e-4)
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):

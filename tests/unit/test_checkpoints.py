@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from finetune_kit.errors import ConfigError
@@ -5,15 +7,57 @@ from finetune_kit.training import checkpoints
 
 
 def make_ckpt(output, step, complete=True):
+    """A checkpoint folder as save_checkpoint leaves it; without its marks when not ``complete``."""
     path = checkpoints.checkpoint_path(output, step)
     path.mkdir(parents=True)
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
     if complete:
         (path / checkpoints.STATE_FILE).write_text("{}")
+        checkpoints.write_manifest(path)
     return path
+
+
+class FakeAccelerator:
+    """One rank; ``save_state`` writes a shard, or fails like a killed process when told to."""
+
+    is_main_process = True
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, folder):
+        from pathlib import Path
+
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"y" * 10)
+        if self.fail:
+            raise KeyboardInterrupt("killed mid-save")
 
 
 def test_fresh_output_starts_fresh(tmp_path):
     assert checkpoints.resolve_resume(None, tmp_path / "run") is None
+    assert checkpoints.resolve_resume("auto", tmp_path / "run") is None
+
+
+def test_auto_continues_from_the_newest_complete_checkpoint(tmp_path):
+    make_ckpt(tmp_path, 5)
+    newest = make_ckpt(tmp_path, 20)
+    make_ckpt(tmp_path, 30, complete=False)
+    assert checkpoints.resolve_resume("auto", tmp_path) == newest
+
+
+def test_auto_never_overwrites_a_finished_run(tmp_path):
+    make_ckpt(tmp_path, 5)
+    (tmp_path / checkpoints.FINISHED).write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds a finished run \(run_record\.json\) and already holds 1 "
+                                          r"checkpoint\(s\).*--resume latest"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    (tmp_path / "checkpoints/step_000005").rename(tmp_path / "elsewhere")  # no checkpoints: still finished work
+    with pytest.raises(ConfigError, match=r"holds a finished run"):
+        checkpoints.resolve_resume("auto", tmp_path)
 
 
 def test_existing_checkpoints_are_not_overwritten(tmp_path):
@@ -26,7 +70,41 @@ def test_latest_is_the_highest_complete_step(tmp_path):
     make_ckpt(tmp_path, 5)
     newest = make_ckpt(tmp_path, 20)
     make_ckpt(tmp_path, 30, complete=False)  # interrupted mid-save: ignored
+    (newest.parent / "step_000040.partial").mkdir()
     assert checkpoints.resolve_resume("latest", tmp_path) == newest
+
+
+def test_a_damaged_checkpoint_is_named_not_resumed(tmp_path):
+    newest = make_ckpt(tmp_path, 20)
+    (newest / "mp_rank_00_model_states.pt").write_bytes(b"x" * 3)  # truncated
+    with pytest.raises(ConfigError, match=r"step_000020' is damaged: mp_rank_00_model_states\.pt has 3 bytes, the "
+                                          r"manifest says 20\. Resume from an earlier checkpoint"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    (newest / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConfigError, match=r"mp_rank_00_model_states\.pt is missing"):
+        checkpoints.resolve_resume(str(newest), tmp_path)
+
+
+def test_a_checkpoint_without_its_manifest_is_refused_by_path(tmp_path):
+    path = make_ckpt(tmp_path, 20)
+    (path / checkpoints.MANIFEST).unlink()
+    with pytest.raises(ConfigError, match=r"not a complete checkpoint folder \(no manifest\.json"):
+        checkpoints.resolve_resume(str(path), tmp_path)
+
+
+def test_save_is_atomic_and_prunes_only_after_the_new_one_is_complete(tmp_path):
+    first = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 4, {"step": 4}, keep=1)
+    assert json.loads((first / checkpoints.MANIFEST).read_text())["files"] == {
+        "trainer_state.json": (first / "trainer_state.json").stat().st_size,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": 10}
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save_checkpoint(FakeAccelerator(fail=True), tmp_path, 8, {"step": 8}, keep=1)
+    assert checkpoints.list_checkpoints(tmp_path) == [first]  # the last complete one survived the failed save
+    assert checkpoints.resolve_resume("auto", tmp_path) == first
+    assert checkpoints.clean_partial(tmp_path) == [tmp_path / "checkpoints/step_000008.partial"]
+    second = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=1)
+    assert checkpoints.list_checkpoints(tmp_path) == [second] and not first.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000008"]
 
 
 def test_resume_without_checkpoints(tmp_path):

@@ -32,8 +32,10 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--save-every", type=int, default=200,
                    help="checkpoint every N optimizer steps and at the last (0: none; the model is still saved)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept (0: all)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the newest checkpoint in --output, or from a given folder")
+    p.add_argument("--resume", nargs="?", const="latest", default="auto",
+                   help="auto (default): continue from the newest complete checkpoint in --output, or start fresh "
+                        "if there is none (never over a finished run); latest: the newest, also after a finished "
+                        "run; or a checkpoint folder")
     p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
     p.add_argument("--meter-warmup-steps", type=int, default=3,
                    help="first optimizer steps left out of the run record's throughput medians")

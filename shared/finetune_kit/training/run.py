@@ -38,6 +38,7 @@ from finetune_kit.launch import checks, cuda_ops, env
 from finetune_kit.models import loading as models
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
+from finetune_kit.training.preemption import StopRequest, stop_line
 
 # What the start-of-run checks call the batch and resume flags, per kind of script.
 ACCELERATE_FLAGS = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
@@ -86,6 +87,7 @@ class TrainingRun:
     train_examples: int = 0  # the split, for run_info.json
     eval_example_ids: list[int] = field(default_factory=list)
     data_counts: object = None  # DataCounts of the instruction recipes, for the run record
+    stop: StopRequest | None = None  # set by a stop signal; checked at every optimizer step
     script_args: dict = field(default_factory=dict)  # what configures the run, for the record's config hash
     _lr: float = 0.0  # the learning rate of the step in progress
     _epoch_done: bool = False
@@ -109,6 +111,9 @@ class TrainingRun:
                                 adapter=adapter, skip=args.skip_memory_check)
         cuda_ops.check(ds_config, quantized=method == "qlora")
         output = Path(args.output)
+        if env.is_main_rank():
+            for path in checkpoints.clean_partial(output):
+                print(f"removed {path}: a checkpoint save that never completed (not resumable)")
         return cls(recipe, args, output, model_config, ds_path, ds_config, plan,
                    checkpoints.resolve_resume(args.resume, output), method=method, num_labels=num_labels,
                    script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")})
@@ -172,6 +177,7 @@ class TrainingRun:
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **accelerator_kwargs)
         set_seed(self.args.seed)
         acc = self.accelerator
+        self.stop = StopRequest(announce=acc.is_local_main_process).install()
         acc.print(f"world size {acc.num_processes}, device {acc.device}, "
                   f"ZeRO stage {checks.zero_stage(self.ds_config)}, config {self.ds_path}")
         return acc
@@ -262,13 +268,27 @@ class TrainingRun:
         if self._epoch_done:
             pos.epoch += 1
             pos.batch_in_epoch = 0
+        path = None
         if self.args.save_every and (pos.step % self.args.save_every == 0 or pos.step == self.total_steps):
             path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step, pos.as_dict(),
                                                keep=self.args.keep_checkpoints)
             self.accelerator.print(f"\ncheckpoint saved: {path}")
             paused = True
+        if pos.step < self.total_steps and self.stop.agreed(self.accelerator):
+            self._stop_here(path)
         if paused:
             self.meter.reset_clock()  # evaluation and saving are not training time
+
+    def _stop_here(self, saved: Path | None) -> None:
+        """Signalled: checkpoint this step (if not just done), leave the process group, exit 0."""
+        acc, pos = self.accelerator, self.position
+        path = saved or checkpoints.save_checkpoint(acc, self.output, pos.step, pos.as_dict(),
+                                                    keep=self.args.keep_checkpoints)
+        self.report.close()
+        acc.print(stop_line(self.stop.describe(), pos.step, self.total_steps, path))
+        acc.wait_for_everyone()
+        acc.end_training()
+        sys.exit(0)
 
     def _evaluate(self, announce: bool) -> dict:
         result = {"step": self.position.step, "epoch": self.position.epoch, **self.evaluate()}
@@ -284,10 +304,12 @@ class TrainingRun:
         loops above) whose accelerator, meter and progress this run reads at the end."""
         from finetune_kit.metering.flops import FlopCounter
         from finetune_kit.models.shapes import from_config
-        from finetune_kit.training.trainer import MeteredTrainer
+        from finetune_kit.training.trainer import MeteredTrainer, StopCallback
 
         self.flop_counter = FlopCounter(from_config(self.model_config), num_labels=self.num_labels)
         trainer = MeteredTrainer(flop_counter=self.flop_counter, metrics_dir=self.output, **trainer_kwargs)
+        stop = StopRequest(announce=trainer.args.local_process_index == 0).install()
+        trainer.add_callback(StopCallback(trainer, stop))
         self.accelerator, self.meter, self._trainer = trainer.accelerator, trainer.meter, trainer
         self.params_trainable = trainable_parameters(trainer.model)
         return trainer

@@ -70,3 +70,30 @@ class MeteringCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close()
+
+
+class StopCallback(TrainerCallback):
+    """Preemption for the Trainer (:mod:`finetune_kit.training.preemption`): at each step's end the
+    ranks agree on the stop flag; when set, the Trainer saves a checkpoint and stops, and every
+    rank exits 0 instead of going on to save the final model."""
+
+    def __init__(self, trainer: Trainer, stop):
+        self.trainer, self.stop, self.stopped = trainer, stop, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step < state.max_steps and self.stop.agreed(self.trainer.accelerator):
+            control.should_save = control.should_training_stop = self.stopped = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not self.stopped:
+            return
+        import sys
+
+        from finetune_kit.training.preemption import stop_line
+
+        if state.is_world_process_zero:
+            print(stop_line(self.stop.describe(), state.global_step, state.max_steps,
+                            Path(args.output_dir) / f"checkpoint-{state.global_step}"), flush=True)
+        self.trainer.accelerator.wait_for_everyone()
+        self.trainer.accelerator.end_training()
+        sys.exit(0)

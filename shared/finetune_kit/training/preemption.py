@@ -1,0 +1,63 @@
+"""Stopping cleanly when the job is told to: SIGTERM (a preempted node, Kubernetes, ``scancel``),
+SIGINT (Ctrl-C) and SIGUSR1 (Slurm's ``--signal=USR1@<seconds>`` warning before a time limit).
+
+A signal only sets a flag. At every optimizer-step boundary the ranks add up their flags
+(one all-reduce of a single number), so all of them stop after the same step -- whichever
+rank was signalled; the run then writes a checkpoint and each rank exits 0, the first one
+with a line naming the checkpoint. Relaunching the same command resumes from it
+(``--resume auto``).
+
+Repeated signals change nothing: launchers forward the signal they get to ranks that already
+had it (DeepSpeed's does so rank by rank, 30 s apart at most), so a repeat cannot mean "stop
+now". To stop at once, send SIGKILL: checkpoints are written whole or not at all.
+
+The launchers give their ranks 30 s after forwarding a signal before they kill them, and exit
+non-zero themselves. Signalling only the training processes (``pkill -TERM -f train.py`` on
+each node) leaves the launcher waiting: it exits 0 once the ranks have saved, however long that
+takes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class StopRequest:
+    """The flag the signal handlers set, and the ranks' agreement on it."""
+
+    def __init__(self, announce: bool = True):
+        self.received: str | None = None
+        self.announce = announce  # say so on stderr (one rank per node is enough)
+
+    def install(self) -> StopRequest:
+        for name in SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            if self.announce:
+                print(f"{name} received: stopping after this optimizer step, with a checkpoint "
+                      "(SIGKILL stops at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator) -> bool:
+        """True on every rank when any rank was signalled (a collective: all ranks call it)."""
+        import torch
+
+        flag = torch.tensor([0.0 if self.received is None else 1.0], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag, "sum")
+        return flag.item() > 0
+
+    def describe(self) -> str:
+        return self.received or "a stop signal to another rank"
+
+
+def stop_line(reason: str, step: int, total: int, checkpoint) -> str:
+    return (f"stopped by {reason} after step {step} of {total}; checkpoint: {checkpoint}. "
+            "Run the same command again to continue from it.")
