@@ -293,6 +293,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     assert 2 <= step < STEPS and Path(stopped.group(2)) == output / f"checkpoint-{step}"
     assert (output / f"checkpoint-{step}/trainer_state.json").is_file() and not (output / "model").exists()
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    print(f"stopped after step {step}: {seconds:.1f} s from SIGTERM until every process had exited")
     assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
 
     assert_finished(launch(recipe_copy, *args[2:]), STEPS, "relaunch")

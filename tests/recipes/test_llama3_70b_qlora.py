@@ -233,6 +233,7 @@ def test_a_preempted_worker_node_stops_both_nodes_with_a_checkpoint(run, recipe_
     step = int(stopped.group(1))
     assert 2 <= step < STEPS and Path(stopped.group(2)) == output / f"checkpoints/step_{step:06d}"
     assert main.returncode == worker.returncode == 0 and "SIGTERM received" in worker.stderr
+    print(f"stopped after step {step}: {seconds:.1f} s from SIGTERM until every process had exited")
     assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
 
     assert_ok(launch_two_nodes(recipe_copy, *args))

@@ -243,6 +243,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     assert "SIGTERM received: stopping after this optimizer step" in proc.stderr
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
     assert proc.returncode != 0 and "got signal: 15" in proc.stderr  # the launcher's own report
+    print(f"stopped after step {step}: {seconds:.1f} s from SIGTERM until every process had exited")
     assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
     assert [m["step"] for m in read_metrics(output)] == list(range(1, step + 1))
 
