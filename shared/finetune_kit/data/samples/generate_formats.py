@@ -5,9 +5,11 @@
 Writes, beside the one-turn prompt/response sample:
 
 - ``chat.jsonl`` -- "messages": conversations of 2-3 exchanges, a third with a system turn
-  first; a few long ones, so a 128-token sequence has to drop turns from their end;
+  first, a few with long answers. At 128 tokens of the tiny test tokenizer (about 2 characters
+  a token) about 30% lose turns from their end and a few do not fit at all: the tests see both;
 - ``sharegpt.jsonl`` -- "conversations" with ``from`` (system / human / gpt) and ``value``;
-- ``alpaca.jsonl`` -- ``instruction``, ``input`` (empty in half the rows) and ``output``;
+- ``alpaca.jsonl`` -- ``instruction``, ``input`` (the word or numbers, for the tasks that take one; else
+  empty) and ``output``;
 - ``prompt_completion.jsonl`` -- ``prompt`` and ``completion``.
 
 Every turn is a checkable prompt/response pair of the one-turn sample, so the tiny test
