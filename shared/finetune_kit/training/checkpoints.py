@@ -73,12 +73,6 @@ def list_checkpoints(output: Path, layout: Layout = RECIPE_LAYOUT) -> list[Path]
     return sorted(found, key=lambda p: int(p.name[len(layout.prefix):]))
 
 
-def partial_checkpoints(output: Path) -> list[Path]:
-    """Folders of saves that never completed (recipe layout)."""
-    root = checkpoint_root(output)
-    return sorted(root.glob(f"{PREFIX}*{PARTIAL}")) if root.is_dir() else []
-
-
 def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAYOUT) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run; raise on a risky start.
 
@@ -96,7 +90,7 @@ def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAY
             f"pass {flag} latest to train on from its newest checkpoint; nothing was overwritten."
         )
     if resume == "auto":
-        return (verify(existing[-1]) if layout.atomic else existing[-1]) if existing else None
+        return _checked(existing[-1], layout) if existing else None
     if resume is None:
         if existing:
             raise ConfigError(
@@ -109,12 +103,16 @@ def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAY
         if not existing:
             raise ConfigError(f"{flag}: no checkpoint found under '{root}'. "
                               f"Start without {flag}, or pass the checkpoint folder explicitly.")
-        return verify(existing[-1]) if layout.atomic else existing[-1]
+        return _checked(existing[-1], layout)
     path = Path(resume)
     if not (path / STATE_FILE).is_file() or (layout.atomic and not (path / MANIFEST).is_file()):
         raise ConfigError(f"{flag} '{resume}' is not a complete checkpoint folder (no "
                           f"{STATE_FILE if not (path / STATE_FILE).is_file() else MANIFEST}: an interrupted save, or "
                           f"not a checkpoint). Complete checkpoints live under '{root}'.")
+    return _checked(path, layout)
+
+
+def _checked(path: Path, layout: Layout) -> Path:
     return verify(path) if layout.atomic else path
 
 
@@ -144,7 +142,8 @@ def verify(path: Path) -> Path:
 
 def clean_partial(output: Path) -> list[Path]:
     """Delete the folders of interrupted saves (never complete checkpoints); return them."""
-    removed = partial_checkpoints(output)
+    root = checkpoint_root(output)
+    removed = sorted(root.glob(f"{PREFIX}*{PARTIAL}")) if root.is_dir() else []
     for path in removed:
         shutil.rmtree(path)
     return removed

@@ -268,22 +268,21 @@ class TrainingRun:
         if self._epoch_done:
             pos.epoch += 1
             pos.batch_in_epoch = 0
-        path = None
-        if self.args.save_every and (pos.step % self.args.save_every == 0 or pos.step == self.total_steps):
+        stopping = pos.step < self.total_steps and self.stop.agreed(self.accelerator)  # signalled: save now
+        due = self.args.save_every and (pos.step % self.args.save_every == 0 or pos.step == self.total_steps)
+        if stopping or due:
             path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step, pos.as_dict(),
                                                keep=self.args.keep_checkpoints)
             self.accelerator.print(f"\ncheckpoint saved: {path}")
             paused = True
-        if pos.step < self.total_steps and self.stop.agreed(self.accelerator):
-            self._stop_here(path)
+            if stopping:
+                self._stop_here(path)
         if paused:
             self.meter.reset_clock()  # evaluation and saving are not training time
 
-    def _stop_here(self, saved: Path | None) -> None:
-        """Signalled: checkpoint this step (if not just done), leave the process group, exit 0."""
+    def _stop_here(self, path: Path) -> None:
+        """Signalled, and this step checkpointed: leave the process group and exit 0."""
         acc, pos = self.accelerator, self.position
-        path = saved or checkpoints.save_checkpoint(acc, self.output, pos.step, pos.as_dict(),
-                                                    keep=self.args.keep_checkpoints)
         self.report.close()
         acc.print(stop_line(self.stop.describe(), pos.step, self.total_steps, path))
         acc.wait_for_everyone()

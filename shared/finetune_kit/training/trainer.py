@@ -11,6 +11,7 @@ is the Trainer's: token-weighted over the whole optimizer step, all ranks.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
@@ -19,6 +20,7 @@ from finetune_kit.metering import keys, memory
 from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+from finetune_kit.training.preemption import stop_line
 
 
 class MeteredTrainer(Trainer):
@@ -87,10 +89,6 @@ class StopCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not self.stopped:
             return
-        import sys
-
-        from finetune_kit.training.preemption import stop_line
-
         if state.is_world_process_zero:
             print(stop_line(self.stop.describe(), state.global_step, state.max_steps,
                             Path(args.output_dir) / f"checkpoint-{state.global_step}"), flush=True)
