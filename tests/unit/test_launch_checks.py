@@ -134,3 +134,44 @@ def test_every_recipe_json_is_checked():
     names = {f"{p.parent.parent.name}/{p.name}" for p in RECIPE_CONFIGS}
     assert {"llama2-13b-zero2/zero2.json", "llama2-13b-zero2/zero2-fp16.json",
             "llama2-13b-zero2/zero2-offload.json"} <= names
+
+
+def test_deepspeed_json_that_is_not_json_names_line_and_column(tmp_path):
+    path = tmp_path / "zero3.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 3},\n}\n')  # trailing comma
+    with pytest.raises(ConfigError, match=r"is not valid JSON: .* at line 3, column 1\. .*trailing comma"):
+        checks.load_deepspeed_config(path)
+
+
+@pytest.mark.parametrize("cfg, pattern", [
+    ({"gradient_clippping": 1.0}, r"unknown top-level key 'gradient_clippping' \(did you mean 'gradient_clipping'\?\)"
+                                  r"\. DeepSpeed would ignore it silently"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": "auto"}},
+     r"unknown key 'zero_optimization\.stage3_prefetch_bucket_sise' \(did you mean "
+     r"'zero_optimization\.stage3_prefetch_bucket_size'\?\)"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memry": True}}},
+     r"'zero_optimization\.offload_optimizer\.pin_memry' \(did you mean "
+     r"'zero_optimization\.offload_optimizer\.pin_memory'"),
+    ({"bf16": {"enabeld": True}}, r"unknown key 'bf16\.enabeld' \(did you mean 'bf16\.enabled'\?\)"),
+])
+def test_a_deepspeed_key_deepspeed_does_not_know_is_refused(tmp_path, cfg, pattern):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=pattern):
+        checks.load_deepspeed_config(path)
+
+
+@pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_shipped_configs_use_only_known_keys(path):
+    checks.load_deepspeed_config(path)
+
+
+def test_every_known_top_level_key_is_in_deepspeeds_source():
+    import importlib.util
+
+    from finetune_kit.launch.deepspeed_keys import TOP_LEVEL
+
+    root = Path(importlib.util.find_spec("deepspeed").origin).parent
+    source = "\n".join(f.read_text(errors="replace") for f in root.rglob("*.py"))
+    missing = [key for key in sorted(TOP_LEVEL) if f'"{key}"' not in source and f"'{key}'" not in source]
+    assert not missing, f"not read by the installed DeepSpeed: {missing}"

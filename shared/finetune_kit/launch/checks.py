@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import env
+from finetune_kit.launch import deepspeed_keys, env
 
 
 def launched_zero_config(stage: int, launch: str, configs: str) -> tuple[Path, dict]:
@@ -37,9 +37,16 @@ def load_deepspeed_config(path: str | Path) -> dict:
                           "Run the launch command from the recipe folder, or fix "
                           "deepspeed_config_file in the accelerate YAML.")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"DeepSpeed config '{path}' is not valid JSON: {err}") from err
+        raise ConfigError(f"DeepSpeed config '{path}' is not valid JSON: {err.msg} at line {err.lineno}, column "
+                          f"{err.colno}. Fix the file (a trailing comma or a comment is the usual cause: JSON "
+                          "allows neither).") from err
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config '{path}' holds a JSON {type(config).__name__}, not an object of "
+                          "settings; start from one of the recipe's configs/*.json.")
+    deepspeed_keys.check(config, source=str(path))
+    return config
 
 
 def check_batch_sizes(ds_config: dict, *, micro_batch_size: int, grad_accum: int, world: int,
