@@ -44,3 +44,25 @@ def test_seq_len_above_model_limit(tiny_llama3):
     loading.check_seq_len(limit, config, "tiny")
     with pytest.raises(ConfigError, match=rf"--max-seq-len {limit + 1} is above.*{limit}"):
         loading.check_seq_len(limit + 1, config, "tiny")
+
+
+@pytest.mark.parametrize("token, says", [(None, "no HF_TOKEN is set"), ("hf_x", "HF_TOKEN is set, but its account")])
+def test_a_gated_hub_model_without_access_names_the_licence_and_the_token(monkeypatch, token, says):
+    from huggingface_hub.errors import GatedRepoError
+    from transformers import AutoConfig
+
+    def gated(name, **kwargs):  # what transformers raises for a gated repo without an accepted licence
+        cause = GatedRepoError.__new__(GatedRepoError)
+        Exception.__init__(cause, "401 Client Error: access to model meta-llama/Meta-Llama-3-8B is restricted")
+        raise OSError(f"You are trying to access a gated repo.\nMake sure to have access to it at "
+                      f"https://huggingface.co/{name}.") from cause
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", gated)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    else:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=rf"model 'meta-llama/Meta-Llama-3-8B' is gated on the Hugging Face hub and "
+                                          rf"{says}.*https://huggingface\.co/meta-llama/Meta-Llama-3-8B, then export "
+                                          r"HF_TOKEN=.*every node"):
+        loading.load_config("meta-llama/Meta-Llama-3-8B")

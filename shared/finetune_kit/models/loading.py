@@ -7,6 +7,7 @@ Under DeepSpeed ZeRO-3 (an ``Accelerator`` built from a config with
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -36,11 +37,30 @@ def load_config(model: str):
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else model)
     except OSError as err:
+        if _is_gated(err):
+            token = ("HF_TOKEN is set, but its account has no access yet" if os.environ.get("HF_TOKEN")
+                     else "no HF_TOKEN is set")
+            raise ConfigError(
+                f"model '{model}' is gated on the Hugging Face hub and {token}. Accept its licence at "
+                f"https://huggingface.co/{model}, then export HF_TOKEN=<a read token of that account> (or run "
+                "`hf auth login`) on every node; or download it once and pass the local folder."
+            ) from err
         raise ConfigError(
             f"model '{model}' is neither a local folder nor reachable on the Hugging Face hub "
             f"({err.__class__.__name__}). Check the spelling, your hub access token for gated "
             "models, or download it and pass the local path."
         ) from err
+
+
+def _is_gated(err: BaseException) -> bool:
+    """transformers wraps huggingface_hub's GatedRepoError in an OSError; look down the chain."""
+    from huggingface_hub.errors import GatedRepoError
+
+    while err is not None:
+        if isinstance(err, GatedRepoError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def max_positions(config) -> int:
