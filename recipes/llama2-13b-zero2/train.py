@@ -27,15 +27,15 @@ memory plan).
 """
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from finetune_kit import TrainingRun, UserInputError, data, evaluate_loss, models
+from finetune_kit import TrainingRun, data, evaluate_loss, models, run_main
 from finetune_kit.errors import DataError
 from finetune_kit.launch.accelerator import trainer_cpu_overrides
+from finetune_kit.launch.env import collective_timeout_s
 
 RECIPE = "llama2-13b-zero2"
 CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
@@ -73,6 +73,7 @@ TRAINER_DEFAULTS = dict(
     logging_steps=1, save_steps=200, save_total_limit=2, report_to="none", seed=42,
     bf16=None, fp16=None,  # None: taken from the DeepSpeed JSON
     resume_from_checkpoint="auto",  # the newest checkpoint in --output_dir if any; never over a finished run
+    ddp_timeout=collective_timeout_s(),  # seconds a collective waits for a silent rank (FINETUNE_COLLECTIVE_TIMEOUT_S)
 )
 # What the code below relies on: real-token counting for tokens/s, example ids kept for the run record.
 TRAINER_FIXED = dict(include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
@@ -142,7 +143,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserInputError as err:
-        sys.exit(f"error: {err}")
+    run_main(main)  # bad input or a lost rank: one line saying what to do, exit status 1

@@ -22,11 +22,9 @@ per-rank shards, validation, the memory plan).
 
 from __future__ import annotations
 
-import sys
-
 from torch.utils.data import DataLoader
 
-from finetune_kit import TrainingRun, UserInputError, data, evaluate_loss, models, recipe_parser, save_consolidated
+from finetune_kit import TrainingRun, data, evaluate_loss, models, recipe_parser, run_main, save_consolidated
 
 RECIPE = "llama3-8b-zero3"
 LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
@@ -97,7 +95,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserInputError as err:
-        sys.exit(f"error: {err}")
+    run_main(main)  # bad input or a lost rank: one line saying what to do, exit status 1

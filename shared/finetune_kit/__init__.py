@@ -25,6 +25,7 @@ _EXPORTS = {
     "save_consolidated": "finetune_kit.training.checkpoints",
     "evaluate_loss": "finetune_kit.training.evaluation",
     "UserInputError": "finetune_kit.errors",
+    "run_main": "finetune_kit.launch.failures",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

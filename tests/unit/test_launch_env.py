@@ -108,7 +108,9 @@ def test_make_accelerator_without_a_launcher_is_one_cpu_process(no_launcher, fre
     assert not torch.distributed.is_initialized()  # no process group: nothing to join
 
 
-def test_several_cpu_processes_get_the_gloo_backend(two_nodes, monkeypatch):
+def test_several_cpu_processes_get_the_gloo_backend_and_the_timeout(two_nodes, monkeypatch):
+    from datetime import timedelta
+
     from accelerate.utils import InitProcessGroupKwargs
 
     monkeypatch.setattr(distributed, "Accelerator", lambda **kwargs: kwargs)  # what it would be built with
@@ -118,8 +120,10 @@ def test_several_cpu_processes_get_the_gloo_backend(two_nodes, monkeypatch):
     kwargs = distributed.make_accelerator(kwargs_handlers=handlers, gradient_accumulation_steps=4)
     assert kwargs["gradient_accumulation_steps"] == 4
     assert kwargs["kwargs_handlers"][0] is mine
-    assert kwargs["kwargs_handlers"][1] == InitProcessGroupKwargs(backend="gloo")
+    assert kwargs["kwargs_handlers"][1] == InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=600))
     assert handlers == [mine]  # the caller's list is left alone
 
     monkeypatch.setattr(distributed, "on_cpu_only", lambda: False)  # on GPUs: NCCL, as accelerate picks
-    assert distributed.make_accelerator(gradient_accumulation_steps=4) == {"gradient_accumulation_steps": 4}
+    monkeypatch.setenv("FINETUNE_COLLECTIVE_TIMEOUT_S", "90")
+    assert distributed.make_accelerator(gradient_accumulation_steps=4) == {
+        "gradient_accumulation_steps": 4, "kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=90))]}

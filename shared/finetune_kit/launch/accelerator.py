@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
@@ -34,13 +35,15 @@ def on_cpu_only() -> bool:
 
 
 def make_accelerator(**kwargs) -> Accelerator:
-    """``Accelerator(**kwargs)``, with the gloo process group on CPU-only machines
-    when a launcher started several processes."""
+    """``Accelerator(**kwargs)`` whose process group fails a collective after
+    :func:`~finetune_kit.launch.env.collective_timeout_s`; gloo on CPU-only machines."""
+    handlers = list(kwargs.pop("kwargs_handlers", []) or [])
+    timeout = timedelta(seconds=env.collective_timeout_s())
     if on_cpu_only() and env.world_size() > 1:
-        handlers = list(kwargs.pop("kwargs_handlers", []) or [])
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        kwargs["kwargs_handlers"] = handlers
-    return Accelerator(**kwargs)
+        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timeout))
+    elif not on_cpu_only():
+        handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL: accelerate's own backend
+    return Accelerator(kwargs_handlers=handlers, **kwargs)
 
 
 def trainer_cpu_overrides() -> dict:
@@ -57,5 +60,5 @@ def trainer_cpu_overrides() -> dict:
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
+    PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
     return {"use_cpu": True, "accelerator_config": {"use_configured_state": True}}

@@ -80,3 +80,21 @@ def launched_deepspeed_config() -> Path | None:
     """The DeepSpeed JSON that ``accelerate launch`` passed to this process, if any."""
     value = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     return Path(value) if value and value != "none" else None
+
+
+COLLECTIVE_TIMEOUT_VAR = "FINETUNE_COLLECTIVE_TIMEOUT_S"
+COLLECTIVE_TIMEOUT_S = 600  # torch's NCCL default, made explicit and applied to gloo too (its own: 30 min)
+
+
+def collective_timeout_s() -> int:
+    """Seconds a collective waits for a rank that does not answer before every rank fails
+    (``FINETUNE_COLLECTIVE_TIMEOUT_S``, default 600). Work one rank does alone while the others
+    wait in a barrier (writing the consolidated model, tokenising huge data first on rank 0)
+    must fit in it."""
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_VAR, str(COLLECTIVE_TIMEOUT_S))
+    if not raw.isdigit() or int(raw) < 1:
+        from finetune_kit.errors import ConfigError
+
+        raise ConfigError(f"{COLLECTIVE_TIMEOUT_VAR}={raw!r} is not a whole number of seconds above 0; "
+                          f"unset it for the default ({COLLECTIVE_TIMEOUT_S} s) or set e.g. 1800.")
+    return int(raw)

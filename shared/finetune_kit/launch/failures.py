@@ -1,0 +1,61 @@
+"""How a recipe process ends when something fails: one line that says what to do, not a traceback.
+
+``run_main(main)`` is the last line of every recipe:
+
+- bad input (:class:`~finetune_kit.errors.UserInputError`): ``error: <the message>``, exit 1;
+- another rank gone: a collective failed because a peer closed its connection (its process died:
+  an OOM, a kill, a node that went away) or did not answer within the collective timeout
+  (``FINETUNE_COLLECTIVE_TIMEOUT_S``). This rank says so in one line and exits 1 at once, without
+  waiting on the process group it can no longer use; relaunching the same command resumes from
+  the newest complete checkpoint.
+
+Anything else keeps its traceback: it is a bug to report, not an input to fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+
+from finetune_kit.errors import UserInputError
+from finetune_kit.launch import env
+
+# What torch's gloo and NCCL backends say when a peer is gone or silent.
+BACKEND = re.compile(r"gloo|nccl", re.IGNORECASE)
+PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|timed out|timeout|"
+                       r"error|aborted", re.IGNORECASE)
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """The one-line explanation when ``err`` is a collective that lost a peer, else None."""
+    import torch.distributed as dist
+
+    text = str(err)
+    if not (isinstance(err, dist.DistError) or
+            (isinstance(err, RuntimeError) and BACKEND.search(text) and PEER_GONE.search(text))):
+        return None
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    view = env.view()
+    silent = re.search(r"timed out|timeout", str(err), re.IGNORECASE)
+    what = (f"no answer from another rank within {env.collective_timeout_s()} s ({env.COLLECTIVE_TIMEOUT_VAR})"
+            if silent else "another rank closed its connection: its process died or its node went away")
+    return (f"rank {view.rank} of {view.world_size} (node {view.machine_rank}) stops: {what}. Look for the first "
+            f"error in the other ranks' logs (an out-of-memory, a killed process, a lost node); then relaunch the "
+            f"same command on every node: it resumes from the newest complete checkpoint.\n  ({first})")
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1."""
+    try:
+        main()
+    except UserInputError as err:
+        sys.exit(f"error: {err}")
+    except Exception as err:
+        message = peer_failure(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the process group is broken: tearing it down could wait on the dead peer

@@ -1,0 +1,61 @@
+import pytest
+
+from finetune_kit.errors import DataError
+from finetune_kit.launch import failures
+
+GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:2945. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms "
+                "for recv operation to complete")
+
+
+@pytest.fixture()
+def rank0(monkeypatch):
+    launch = {"RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "0", "FINETUNE_COLLECTIVE_TIMEOUT_S": "20"}
+    for key, value in launch.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_a_peer_that_died_or_went_silent_is_explained(rank0):
+    closed = failures.peer_failure(RuntimeError(GLOO_CLOSED))
+    assert closed.startswith("rank 0 of 2 (node 0) stops: another rank closed its connection")
+    assert "relaunch the same command on every node" in closed and "Connection closed by peer" in closed
+    silent = failures.peer_failure(RuntimeError(GLOO_TIMEOUT))
+    assert "no answer from another rank within 20 s (FINETUNE_COLLECTIVE_TIMEOUT_S)" in silent
+
+
+def test_other_errors_are_not_dressed_up_as_a_lost_peer(rank0):
+    assert failures.peer_failure(RuntimeError("DataLoader timed out after 5 seconds")) is None
+    assert failures.peer_failure(ValueError(GLOO_CLOSED)) is None
+
+
+def test_run_main_exits_with_the_message(rank0, monkeypatch, capsys):
+    def bad_input():
+        raise DataError("data file 'x' does not exist")
+
+    with pytest.raises(SystemExit, match="error: data file 'x' does not exist"):
+        failures.run_main(bad_input)
+
+    def lost_peer():
+        raise RuntimeError(GLOO_CLOSED)
+
+    exits = []
+    monkeypatch.setattr(failures.os, "_exit", exits.append)
+    failures.run_main(lost_peer)
+    assert exits == [1] and "another rank closed its connection" in capsys.readouterr().err
+
+    def bug():
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        failures.run_main(bug)
+
+
+@pytest.mark.parametrize("raw", ["0", "ten", "-5"])
+def test_a_bad_timeout_value_is_named(monkeypatch, raw):
+    from finetune_kit.errors import ConfigError
+    from finetune_kit.launch import env
+
+    monkeypatch.setenv("FINETUNE_COLLECTIVE_TIMEOUT_S", raw)
+    with pytest.raises(ConfigError, match=rf"FINETUNE_COLLECTIVE_TIMEOUT_S='{raw}' is not a whole number"):
+        env.collective_timeout_s()
