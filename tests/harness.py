@@ -6,6 +6,7 @@ fixture), with a free rendezvous port and one DeepSpeed op cache per interpreter
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,19 +54,21 @@ def accelerate_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launch
 
 
 def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: int, signalled: tuple[int, ...] = (0,),
-                   sig: int = signal.SIGTERM, ranks_only: bool = False,
-                   timeout: int = 900) -> tuple[list[subprocess.CompletedProcess], float]:
+                   sig: int = signal.SIGTERM, ranks_only: bool = False, timeout: int = 900,
+                   env: dict | None = None, watched: tuple[int, ...] | None = None,
+                   ) -> tuple[list[subprocess.CompletedProcess], float]:
     """Start ``cmds`` together (one launcher per node); once ``output/metrics.jsonl`` has logged
     ``after_step``, send ``sig`` to every process of the jobs numbered in ``signalled`` (each
     launcher's process group, as Ctrl-C in a terminal or a scheduler's signal reaches them all;
     with ``ranks_only``, to the launcher's descendants alone, as ``pkill -f train.py`` does).
     Return the launchers' processes, with the output of their whole groups, and the seconds from
-    the signal until every process of every group has exited."""
+    the signal until every process of the ``watched`` jobs (default: all) has exited; the others
+    are then killed. ``env``: extra environment variables."""
     logs = Path(tempfile.mkdtemp(prefix="signalled-"))
     procs = []
     for n, cmd in enumerate(cmds):
         with (logs / f"{n}.out").open("w") as out, (logs / f"{n}.err").open("w") as err:
-            procs.append(subprocess.Popen(cmd, cwd=cwd, text=True, stdout=out, stderr=err, env=launch_env(),
+            procs.append(subprocess.Popen(cmd, cwd=cwd, text=True, stdout=out, stderr=err, env=launch_env(env),
                                           start_new_session=True))
     start = time.monotonic()
     metrics = output / "metrics.jsonl"
@@ -73,23 +76,28 @@ def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: i
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= after_step:
             break
         time.sleep(0.1)
+    import psutil
+
+    family = [c for p in procs if p.poll() is None for c in psutil.Process(p.pid).children(recursive=True)]
     sent = time.monotonic()
     for n in signalled:
         if procs[n].poll() is None and ranks_only:
-            import psutil
-
             for child in psutil.Process(procs[n].pid).children(recursive=True):
                 child.send_signal(sig)
         elif procs[n].poll() is None:
             os.killpg(procs[n].pid, sig)
     # a launcher may go before its ranks (DeepSpeed's runner dies at once): wait for whole groups
-    while any(p.poll() is None or _group_alive(p.pid) for p in procs) and time.monotonic() - sent < timeout:
+    waited = [procs[n] for n in (range(len(procs)) if watched is None else watched)]
+    while any(p.poll() is None or _group_alive(p.pid) for p in waited) and time.monotonic() - sent < timeout:
         time.sleep(0.1)
+    elapsed = time.monotonic() - sent
     for p in procs:
         if _group_alive(p.pid):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    elapsed = time.monotonic() - sent
+    for child in family:  # torch's agent starts its ranks in sessions of their own: left behind when it died
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     done = [subprocess.CompletedProcess(cmd, p.returncode, (logs / f"{n}.out").read_text(),
                                         (logs / f"{n}.err").read_text())
             for n, (cmd, p) in enumerate(zip(cmds, procs, strict=True))]

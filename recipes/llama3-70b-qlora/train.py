@@ -23,11 +23,9 @@ shards, every validation, LoRA settings, the memory plan).
 
 from __future__ import annotations
 
-import sys
-
 from torch.utils.data import DataLoader
 
-from finetune_kit import TrainingRun, UserInputError, recipe_parser
+from finetune_kit import TrainingRun, recipe_parser, run_main
 from finetune_kit.data import reviews
 from finetune_kit.launch import multinode
 from finetune_kit.models import load_tokenizer, qlora
@@ -67,7 +65,10 @@ def main(argv=None) -> None:
     targets = qlora.parse_targets(args.lora_targets)
     run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH, configs=": use configs/zero3.json.",
                                 method="qlora", num_labels=len(reviews.LABELS),
-                                adapter=qlora.adapter_plan(args.lora_rank, targets))
+                                adapter=qlora.adapter_plan(args.lora_rank, targets),
+                                resume_must_match={"model": args.model,  # the 4-bit base is rebuilt from it
+                                                   "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
+                                                           f"targets {args.lora_targets}"})
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
 
     # ---- 2. Distributed setup: the nodes agree on the job's shape, then the YAML + JSON drive everything ----
@@ -131,7 +132,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserInputError as err:
-        sys.exit(f"error: {err}")
+    run_main(main)  # bad input or a lost rank: one line saying what to do, exit status 1

@@ -309,6 +309,8 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     ("seq_len_too_long", r"--max-seq-len 8192 is above the limit .*max_position_embeddings = 512"),
     ("finished_run", r"holds a finished run \(run_record\.json\) and already holds 1 checkpoint\(s\).*"
                      r"--resume_from_checkpoint latest"),
+    ("other_number_of_ranks", r"checkpoint-4' was saved by 2 ranks, this launch has 1: the Trainer's ZeRO-2 "
+                              r"checkpoints resume on the same number of ranks\. Launch 2 ranks"),
     # transformers would stop only inside trainer.train(), after loading the model
     ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
                                r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
@@ -346,6 +348,11 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         (tmp_path / "out/checkpoint-4").mkdir(parents=True)
         (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
         (tmp_path / "out/run_record.json").write_text("{}")
+    elif case == "other_number_of_ranks":  # saved by 2 ranks; recipe_main is one
+        (tmp_path / "out/checkpoint-4/global_step4").mkdir(parents=True)
+        (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
+        for rank in (0, 1):
+            (tmp_path / f"out/checkpoint-4/global_step4/bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
-    assert case == "finished_run" or not (tmp_path / "out").exists()
+    assert case in ("finished_run", "other_number_of_ranks") or not (tmp_path / "out").exists()

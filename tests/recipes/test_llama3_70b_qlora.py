@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,7 @@ GOLDEN = REPO / "tests/golden/llama3-70b-qlora.json"
 LAUNCH_ENV = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/zero3.json"}  # what accelerate launch passes
 STEPS, SAVE_EVERY = 6, 3
 MAIN, WORKER = "configs/zero3-main.yaml", "configs/zero3-worker.yaml"
+COLLECTIVE_TIMEOUT = 15  # seconds (FINETUNE_COLLECTIVE_TIMEOUT_S); the recipes' default is 600
 
 
 def sizes(model: Path) -> list[str]:
@@ -238,6 +240,49 @@ def test_a_preempted_worker_node_stops_both_nodes_with_a_checkpoint(run, recipe_
 
     assert_ok(launch_two_nodes(recipe_copy, *args))
     assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+
+
+@pytest.mark.parametrize("sig, says", [
+    (signal.SIGKILL, "another rank closed its connection: its process died or its node went away"),
+    (signal.SIGSTOP, f"no answer from another rank within {COLLECTIVE_TIMEOUT} s"),  # a hung rank, or a lost network
+], ids=["killed", "hung"])
+def test_a_rank_that_dies_or_hangs_stops_the_other_node_in_seconds(sig, says, recipe_copy, tiny_llama3, tmp_path):
+    """The worker node's training process is killed (or frozen) after step 2: the main node's rank
+    says why in one line and exits 1 within the collective timeout, instead of hanging for torch's
+    default half hour; its launcher exits non-zero too."""
+    output = tmp_path / "lost"
+    args = (*sizes(tiny_llama3), "--output", str(output), "--max-steps", "50", "--save-every", "0")
+    port = free_port()
+    commands = [node_command(MAIN, "127.0.0.1", port, args), node_command(WORKER, "127.0.0.1", port, args)]
+    (main, _), seconds = run_and_signal(commands, recipe_copy, output, after_step=2, signalled=(1,), sig=sig,
+                                        ranks_only=True, watched=(0,),
+                                        env={"FINETUNE_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT)})
+    assert main.returncode != 0 and f"error: rank 0 of 2 (node 0) stops: {says}" in main.stderr, main.stderr[-3000:]
+    assert "relaunch the same command on every node" in main.stderr
+    print(f"{sig.name}: the main node had exited {seconds:.1f} s later")
+    assert seconds < COLLECTIVE_TIMEOUT + 30
+
+
+def test_a_two_node_checkpoint_resumes_on_one_rank(run, recipe_copy, tiny_llama3, tmp_path):
+    """2 ranks on two nodes -> 1 rank with twice the accumulation (the same global batch): LoRA, head,
+    optimizer and schedule come from DeepSpeed's universal checkpoint, the 4-bit base from --model."""
+    output = tmp_path / "one-rank"
+    proc = accelerate_launch(recipe_copy, *sizes(tiny_llama3), "--grad-accum", "4", "--output", str(output),
+                             "--max-steps", str(STEPS), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"),
+                             config=MAIN, nproc=1, launcher_args=("--num_machines", "1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "was saved by 2 ranks; converting it for 1" in proc.stdout
+    assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS, atol=5e-4)
+
+
+def test_resuming_with_other_lora_settings_is_refused(run, recipe_main, tiny_llama3, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    checkpoint = max((run / "checkpoints").glob("step_*"))
+    with pytest.raises(UserInputError, match=r"belongs to a different run: lora 'r 8, alpha 32, targets all-linear' "
+                                             r"in the checkpoint, 'r 4, alpha 32, targets all-linear' now"):
+        recipe_main([*sizes(tiny_llama3), "--output", str(tmp_path / "out"), "--resume", str(checkpoint),
+                     "--lora-rank", "4"])
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):

@@ -12,9 +12,12 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,7 @@ from tests.harness import (
     assert_resumed_like_uninterrupted,
     assert_throughput_metrics,
     bad_input_args,
+    launch_env,
     losses,
     read_metrics,
     read_run_info,
@@ -251,6 +255,59 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     assert losses(output) == pytest.approx(losses(run), abs=1e-4)
 
 
+def test_a_checkpoint_resumes_on_another_number_of_ranks(run, recipe_copy, tiny_llama3, tmp_path):
+    """2 ranks -> 1 and 1 -> 2, the global batch kept (micro-batch x accumulation x ranks = 16):
+    DeepSpeed's universal checkpoint carries weights, optimizer and schedule; the data position is
+    counted in examples. The same examples make each step, so the losses are those of the
+    uninterrupted 2-rank run, up to the order of floating-point sums."""
+    common = ("--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    one_rank = [*sizes(tiny_llama3), "--grad-accum", "4"]  # the last --grad-accum wins
+
+    down = tmp_path / "down"
+    proc = launch(recipe_copy, *one_rank, *common, "--output", str(down),
+                  "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), nproc=1)
+    assert_finished(proc, STEPS, "2 -> 1")
+    assert "was saved by 2 ranks; converting it for 1 (DeepSpeed universal checkpoint" in proc.stdout
+    assert_resumed_like_uninterrupted(run, down, SAVE_EVERY, STEPS, atol=5e-4)
+
+    single = tmp_path / "single"
+    assert_finished(launch(recipe_copy, *one_rank, *common, "--output", str(single), nproc=1), STEPS, "1 rank")
+    assert losses(single) == pytest.approx(losses(run), abs=5e-4)  # 1 x 4 x 4 is 2 x 4 x 2
+    up = tmp_path / "up"
+    assert_finished(launch(recipe_copy, *sizes(tiny_llama3), *common, "--output", str(up),
+                           "--resume", str(single / f"checkpoints/step_{SAVE_EVERY:06d}")), STEPS, "1 -> 2")
+    assert_resumed_like_uninterrupted(run, up, SAVE_EVERY, STEPS, atol=5e-4)
+
+
+def test_the_slurm_script_stops_on_usr1_and_requeues_itself(run, recipe_copy, tiny_llama3, tmp_path):
+    """slurm/train.sbatch as Slurm runs it, with srun and scontrol replaced by shims. SIGUSR1 to
+    every process of the job step (what --signal=USR1@300 does): the launcher ignores it, the ranks
+    checkpoint and exit 0, and the script requeues its job. The requeued job (the same script)
+    finishes with the uninterrupted losses and does not requeue again."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (shims / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    output = tmp_path / "slurm"
+    train_args = [*sizes(tiny_llama3)[4:], "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+                  "--keep-checkpoints", "0"]
+    job = {"PATH": f"{shims}:{os.environ['PATH']}", "MODEL": str(tiny_llama3), "DATA": str(SAMPLE),
+           "OUTPUT": str(output), "NUM_GPUS": "2", "SLURM_JOB_ID": "42", "TRAIN_ARGS": " ".join(train_args)}
+    [proc], _ = run_and_signal([["bash", "slurm/train.sbatch"]], recipe_copy, output, after_step=2,
+                               sig=signal.SIGUSR1, ranks_only=True, env=job)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"stopped by SIGUSR1 after step \d+ of 8; checkpoint: ", proc.stdout), proc.stdout[-2000:]
+    assert "requeueing job 42" in proc.stdout and (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
+
+    requeued = subprocess.run(["bash", "slurm/train.sbatch"], cwd=recipe_copy, capture_output=True, text=True,
+                              env=launch_env(job), timeout=900)
+    assert requeued.returncode == 0 and "requeueing" not in requeued.stdout, requeued.stderr[-4000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 42\n"
+    assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+
+
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), "--max-steps", "2", nproc=1)
@@ -276,9 +333,16 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
     ("empty_after_filter", r"no training examples left"),
     ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
     ("no_model", r"model path '/no/such/model' does not exist"),
+    ("deepspeed_typo", r"unknown key 'zero_optimization\.stage3_prefetch_bucket_sise' \(did you mean "
+                       r"'zero_optimization\.stage3_prefetch_bucket_size'\?\)"),
+    ("unwritable_output", r"output folder '.*taken/out' cannot be written.*\(Not a directory\)"),
+    ("no_room_for_a_checkpoint", r"has 1\.0 MiB free and a checkpoint takes about .* MiB.*--save-every 0"),
 ])
-def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path):
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path, monkeypatch):
+    from collections import namedtuple
+
     from finetune_kit.errors import UserInputError
+    from finetune_kit.training import checkpoints
 
     args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "128",
             "--output": str(tmp_path / "out")}
@@ -297,6 +361,28 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--max-seq-len"] = "4096"
     elif case == "no_model":
         args["--model"] = "/no/such/model"
+    elif case == "deepspeed_typo":
+        config = json.loads((RECIPE / "configs/zero3.json").read_text())
+        config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(
+            "stage3_prefetch_bucket_size")
+        (tmp_path / "typo.json").write_text(json.dumps(config))
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "typo.json"))
+    elif case == "unwritable_output":
+        (tmp_path / "taken").write_text("a file where the output folder should go")
+        args["--output"] = str(tmp_path / "taken/out")
+    elif case == "no_room_for_a_checkpoint":
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
     assert not (tmp_path / "out").exists()
+
+
+def test_resuming_with_another_model_is_refused(run, recipe_main, tiny_llama2, tmp_path):
+    from finetune_kit.errors import UserInputError
+
+    checkpoint = max((run / "checkpoints").glob("step_*"))
+    with pytest.raises(UserInputError, match=r"belongs to a different run: architecture 'llama: hidden .*' in the "
+                                             r"checkpoint, 'llama: hidden .*' now.*nothing was overwritten"):
+        recipe_main(["--model", str(tiny_llama2), "--data", str(SAMPLE), "--max-seq-len", "128",
+                     "--output", str(tmp_path / "out"), "--resume", str(checkpoint)])

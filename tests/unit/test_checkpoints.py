@@ -123,3 +123,92 @@ def test_trainer_layout_finds_the_trainers_own_folders(tmp_path):
     assert checkpoints.resolve_resume("latest", tmp_path, layout) == tmp_path / "checkpoint-12"
     with pytest.raises(ConfigError, match=r"already holds 2 checkpoint.*--resume_from_checkpoint"):
         checkpoints.resolve_resume(None, tmp_path, layout)
+
+
+# ---- a folder to write to, and room on its disk ----
+
+def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"output folder '.*file/run' cannot be written: '.*file', where it would "
+                                          r"be created, \(Not a directory\)\. Pass --output"):
+        checkpoints.check_writable(tmp_path / "file" / "run")
+
+    def refuse(dir):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoints.tempfile, "TemporaryFile", refuse)  # as for a user without rights there
+    with pytest.raises(ConfigError, match=r"'.*run' cannot be written: .* \(Permission denied\)"):
+        checkpoints.check_writable(tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # the check creates nothing
+
+
+def fake_disk(monkeypatch, free: int):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(free * 10, free * 9, free))
+
+
+def test_a_save_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    first = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 4, {"step": 4}, keep=0, estimate=10)
+    size = checkpoints.predicted_bytes(tmp_path, estimate=10)
+    assert size == json.loads((first / checkpoints.MANIFEST).read_text())["bytes"] > 10  # measured, not estimated
+
+    fake_disk(monkeypatch, free=size)  # less than size x the margin
+    with pytest.raises(ConfigError, match=r"not saving the step-8 checkpoint: '.*checkpoints' has 0\.0 MiB free and "
+                                          r"a checkpoint takes about 0\.0 MiB \(x1\.1 margin\)\..* the newest complete "
+                                          r"checkpoint is .*step_000004\. Relaunch the same command"):
+        checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=0)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+
+    fake_disk(monkeypatch, free=int(size * checkpoints.FREE_SPACE_MARGIN) + 1)
+    checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=0)
+
+
+def test_checkpoint_size_estimate_follows_the_zero_stage():
+    assert checkpoints.estimate_bytes(1000, 1000, zero_stage=3) == 12_000  # fp32 master + Adam m, v
+    assert checkpoints.estimate_bytes(1000, 1000, zero_stage=2) == 14_000  # + bf16 module weights
+    assert checkpoints.estimate_bytes(1000, 10, zero_stage=3) == 120  # a frozen base is not saved
+
+
+# ---- a resume continues the same run ----
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_adapter(tmp_path):
+    path = make_ckpt(tmp_path, 4)
+    identity = {"architecture": "llama: hidden 64", "lora": "r 16, alpha 32, targets all-linear"}
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4, "run": identity}))
+    checkpoints.check_same_run(path, identity)
+    with pytest.raises(ConfigError, match=r"belongs to a different run: lora 'r 16, alpha 32, targets all-linear' in "
+                                          r"the checkpoint, 'r 8, alpha 32, targets all-linear' now\. Relaunch with "
+                                          r"the checkpoint's settings.*new --output"):
+        checkpoints.check_same_run(path, {**identity, "lora": "r 8, alpha 32, targets all-linear"})
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4}))  # saved before runs recorded it
+    checkpoints.check_same_run(path, {**identity, "architecture": "other"})
+
+
+# ---- another number of ranks ----
+
+def test_the_data_position_is_counted_in_examples_across_rank_counts():
+    state = {"step": 4, "epoch": 1, "batch_in_epoch": 8}  # 2 ranks x 8 micro-batches
+    assert checkpoints.reshaped_position(state, saved=2, world=1) == {**state, "batch_in_epoch": 16}
+    assert checkpoints.reshaped_position(state, saved=2, world=4) == {**state, "batch_in_epoch": 4}
+
+
+@pytest.mark.parametrize("micro, accum, pattern", [
+    (4, 4, r"saved by 1 rank with 16 sequences per optimizer step; this launch's 2 ranks take 4 x 4 x 2 = 32\. "
+           r"Keep the global batch .*: pass --grad-accum 2\."),
+    (3, 1, r"choose --micro-batch-size and --grad-accum whose product is 8"),
+])
+def test_another_number_of_ranks_must_keep_the_global_batch(tmp_path, monkeypatch, micro, accum, pattern):
+    from types import SimpleNamespace
+
+    from finetune_kit.training import run
+
+    path = make_ckpt(tmp_path, 4)
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 1, "global_batch": 16}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run._check_reshape(path, SimpleNamespace(micro_batch_size=4, grad_accum=2), zero_stage=3)  # 4 x 2 x 2 = 16
+    with pytest.raises(ConfigError, match=pattern):
+        run._check_reshape(path, SimpleNamespace(micro_batch_size=micro, grad_accum=accum), zero_stage=3)
+    with pytest.raises(ConfigError, match=r"another number of ranks is supported under ZeRO-3\. Launch 1 rank\."):
+        run._check_reshape(path, SimpleNamespace(micro_batch_size=4, grad_accum=2), zero_stage=2)

@@ -71,6 +71,7 @@ def real_8b_config(tmp_path):
 
 def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
     from finetune_kit.planning import memory
+    from finetune_kit.training import checkpoints
     from tests.conftest import load_script
 
     recipe = REPO / "recipes/llama3-8b-zero3"
@@ -78,8 +79,10 @@ def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(memory, "local_gpu_memory_GiB", lambda: 80.0)  # as on one 80 GB GPU
+    monkeypatch.setattr(checkpoints, "free_space_problem", lambda output, needed: None)  # a 90 GiB checkpoint fits
     train = load_script(recipe / "train.py")
-    return train.main(["--model", str(model), "--data", "missing.jsonl", *extra])
+    return train.main(["--model", str(model), "--data", "missing.jsonl", "--output", str(model.parent / "run"),
+                       *extra])
 
 
 def test_8b_recipe_refuses_a_launch_that_cannot_fit(monkeypatch, real_8b_config):

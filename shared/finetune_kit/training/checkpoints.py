@@ -27,7 +27,9 @@ an output folder that already holds checkpoints must be resumed or replaced).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ MANIFEST = "manifest.json"  # files and sizes of a complete checkpoint (recipe l
 PARTIAL = ".partial"  # suffix of a checkpoint still being written
 FINISHED = "run_record.json"  # written at the end of a run: the output holds finished work
 PREFIX = "step_"
+FREE_SPACE_MARGIN = 1.1  # free disk needed = the checkpoint's predicted size x this
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,19 @@ def clean_partial(output: Path) -> list[Path]:
     return removed
 
 
-def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int) -> Path:
-    """Save a resumable checkpoint atomically (all ranks must call); then prune to the newest ``keep``."""
+def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int, estimate: int = 0) -> Path:
+    """Save a resumable checkpoint atomically (all ranks must call); then prune to the newest ``keep``.
+
+    First, the disk must hold it: the size of the newest checkpoint (or ``estimate`` bytes for the
+    first one) with a margin; otherwise every rank raises ConfigError and nothing is touched."""
     path = checkpoint_path(output, step)
+    problem = free_space_problem(output, predicted_bytes(output, estimate)) if accelerator.is_main_process else None
+    problem = _same_on_every_rank(accelerator, problem)
+    if problem:
+        newest = list_checkpoints(output)
+        kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
+        raise ConfigError(f"not saving the step-{step} checkpoint: {problem}; {kept}. Relaunch the same "
+                          "command once there is room: it resumes from the newest complete checkpoint.")
     partial = path.with_name(path.name + PARTIAL)
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)  # an earlier, interrupted save of the same step
@@ -171,13 +184,147 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
     return path
 
 
-def load_checkpoint(accelerator, path: Path, **load_kwargs) -> dict:
-    """Restore model, optimizer, scheduler and RNG states; return the trainer state.
+def _same_on_every_rank(accelerator, value):
+    """Rank 0's ``value`` on every rank (so that all ranks take the same branch)."""
+    if getattr(accelerator, "num_processes", 1) == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
+
+
+# ---- room on disk and a folder to write to ----
+
+def estimate_bytes(total_params: int, trainable_params: int, zero_stage: int) -> int:
+    """A DeepSpeed checkpoint's size before the first one exists: fp32 master weights and Adam's two
+    moments (12 bytes per trainable parameter), plus the 16-bit module weights below ZeRO-3 (ZeRO-3
+    keeps only the partitions; a frozen base, as in QLoRA, is rebuilt from the model, not saved)."""
+    return 12 * trainable_params + (2 * total_params if zero_stage < 3 else 0)
+
+
+def predicted_bytes(output: Path, estimate: int) -> int:
+    """The newest complete checkpoint's size (its manifest), else ``estimate``."""
+    existing = list_checkpoints(output)
+    if existing:
+        return int(json.loads((existing[-1] / MANIFEST).read_text())["bytes"])
+    return estimate
+
+
+def free_space_problem(output: Path, needed: int) -> str | None:
+    """None if the disk of ``output``'s checkpoints has room for ``needed`` bytes (with the margin),
+    else a sentence with both numbers and the fix."""
+    root = checkpoint_root(output)
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free >= needed * FREE_SPACE_MARGIN:
+        return None
+    return (f"'{root}' has {_gib(free)} free and a checkpoint takes about {_gib(needed)} (x{FREE_SPACE_MARGIN} "
+            "margin). Free space on that disk (--keep-checkpoints 1 keeps only the newest checkpoint), or "
+            "point --output at a larger disk")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def check_writable(output: Path) -> None:
+    """ConfigError naming the folder unless ``output`` (or, before it exists, the folder it will be
+    made in) takes a file; a probe file is written and removed, nothing else is created."""
+    output = Path(output)
+    existing = next(p for p in (output, *output.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, os.strerror(20))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        where = "" if existing == output else f": '{existing}', where it would be created,"
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ConfigError(f"output folder '{output}' cannot be written{where} ({reason}). Pass --output with a "
+                          "folder you can write to, on a disk with room for the checkpoints.") from err
+
+
+# ---- a resume must continue the same run ----
+
+def check_same_run(path: Path, identity: dict) -> None:
+    """ConfigError if the checkpoint at ``path`` was saved with other ``identity`` values (the model's
+    architecture, LoRA settings, ...) than this launch's; checkpoints without them pass."""
+    saved = json.loads((Path(path) / STATE_FILE).read_text()).get("run")
+    if not saved:
+        return
+    diffs = [f"{key} {saved.get(key)!r} in the checkpoint, {value!r} now"
+             for key, value in identity.items() if saved.get(key) != value]
+    if diffs:
+        raise ConfigError(f"checkpoint '{path}' belongs to a different run: " + "; ".join(diffs) + ". Relaunch "
+                          "with the checkpoint's settings to continue it, or pass a new --output to start over; "
+                          "nothing was overwritten.")
+
+
+# ---- another number of ranks ----
+UNIVERSAL = "universal"  # DeepSpeed's universal checkpoint of a checkpoint, for another number of ranks
+DS_TAG = "pytorch_model"  # the folder accelerate.save_state gives DeepSpeed's own checkpoint
+
+
+def saved_world(path: Path) -> int | None:
+    """The number of ranks that saved the checkpoint (None for checkpoints that predate the record)."""
+    return read_state(path).get("world_size")
+
+
+def trainer_saved_world(path: Path) -> int | None:
+    """Ranks that saved an HF Trainer checkpoint: its ZeRO optimizer partitions (one per rank)."""
+    ranks = {f.name.split("zero_pp_rank_")[1].split("_")[0] for f in Path(path).glob("global_step*/*zero_pp_rank_*")}
+    return len(ranks) or None
+
+
+def universal_folder(path: Path) -> Path:
+    """Where :func:`to_universal` writes the checkpoint's rank-independent copy: ``<path>/universal``, laid
+    out as accelerate's ``load_state`` reads it (``universal/pytorch_model/``)."""
+    return Path(path) / UNIVERSAL
+
+
+def to_universal(path: Path, workers: int = 4) -> Path:
+    """Convert a DeepSpeed checkpoint saved on N ranks into DeepSpeed's universal format (every
+    parameter and optimizer state whole, one folder per parameter), which any number of ranks loads
+    with ``checkpoint.load_universal``. Done once; later calls return the existing copy.
+
+    A resume on another number of ranks calls it on rank 0 while the others wait, which must fit in
+    the collective timeout; for a large model, convert first (``workers`` processes):
+    ``python -m finetune_kit.training.checkpoints to-universal <checkpoint>``."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    out = universal_folder(path)
+    if (out / DS_TAG / "zero").is_dir():
+        return out
+    tmp = out.with_name(out.name + PARTIAL)
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds_to_universal.main(argparse.Namespace(
+        input_folder=str(Path(path) / DS_TAG), output_folder=str(tmp / DS_TAG), num_extract_workers=workers,
+        num_merge_workers=workers, keep_temp_folder=False, strict=True, inject_missing_state=False))
+    tmp.rename(out)
+    return out
+
+
+def reshaped_position(state: dict, saved: int, world: int) -> dict:
+    """The data position of a checkpoint saved on ``saved`` ranks, counted in this launch's
+    micro-batches per rank (the same examples consumed, the global batch being the same)."""
+    consumed = state["batch_in_epoch"] * saved  # micro-batches of all ranks
+    return {**state, "batch_in_epoch": consumed // world}
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's ``trainer_state.json``: position, ranks, global batch, the run's identity."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def load_checkpoint(accelerator, path: Path, state: bool = True, **load_kwargs) -> dict | None:
+    """Restore model, optimizer, scheduler and RNG states; return the trainer state (if ``state``).
 
     ``load_kwargs`` go to ``accelerator.load_state`` (under DeepSpeed: ``load_checkpoint``).
     """
     accelerator.load_state(str(path), **load_kwargs)
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    return read_state(path) if state else None
 
 
 def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
@@ -190,3 +337,16 @@ def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
         tokenizer.save_pretrained(out)
     accelerator.wait_for_everyone()
     return Path(out)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m finetune_kit.training.checkpoints")
+    parser.add_argument("command", choices=["to-universal"])
+    parser.add_argument("checkpoint", type=Path, help="a complete checkpoint folder (checkpoints/step_N)")
+    parser.add_argument("--workers", type=int, default=4, help="processes reading and merging the shards")
+    cli = parser.parse_args()
+    if not (cli.checkpoint / MANIFEST).is_file():
+        parser.error(f"'{cli.checkpoint}' is not a complete checkpoint folder (no {MANIFEST})")
+    print(f"universal checkpoint: {to_universal(verify(cli.checkpoint), cli.workers)}")

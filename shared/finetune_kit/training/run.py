@@ -89,6 +89,8 @@ class TrainingRun:
     data_counts: object = None  # DataCounts of the instruction recipes, for the run record
     stop: StopRequest | None = None  # set by a stop signal; checked at every optimizer step
     script_args: dict = field(default_factory=dict)  # what configures the run, for the record's config hash
+    identity: dict = field(default_factory=dict)  # what a resumed checkpoint must share with this launch
+    checkpoint_estimate: int = 0  # bytes of the first checkpoint, before one exists to measure
     _lr: float = 0.0  # the learning rate of the step in progress
     _epoch_done: bool = False
     _trainer: object = None  # the HF Trainer, when it runs the loop
@@ -97,10 +99,13 @@ class TrainingRun:
 
     @classmethod
     def preflight(cls, recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
-                  num_labels: int | None = None, adapter: memory.Adapter | None = None) -> TrainingRun:
+                  num_labels: int | None = None, adapter: memory.Adapter | None = None,
+                  resume_must_match: dict | None = None) -> TrainingRun:
         """Check the model, the launched DeepSpeed config, the batch sizes, the memory and the
-        output folder, in seconds; raise a UserInputError naming the fix. For accelerate recipes:
-        ``args`` carries the flags of ``training.arguments.recipe_parser``."""
+        output folder (writable, room for a checkpoint, a resumable checkpoint of the same run), in
+        seconds; raise a UserInputError naming the fix. For accelerate recipes: ``args`` carries the
+        flags of ``training.arguments.recipe_parser``; ``resume_must_match``: the recipe's settings
+        a checkpoint must have been saved with (besides the model's architecture and the method)."""
         model_config = _checked_model_config(args.model, args.max_seq_len)
         ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
         checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
@@ -111,11 +116,23 @@ class TrainingRun:
                                 adapter=adapter, skip=args.skip_memory_check)
         cuda_ops.check(ds_config, quantized=method == "qlora")
         output = Path(args.output)
+        checkpoints.check_writable(output)
         if env.is_main_rank():
             for path in checkpoints.clean_partial(output):
                 print(f"removed {path}: a checkpoint save that never completed (not resumable)")
-        return cls(recipe, args, output, model_config, ds_path, ds_config, plan,
-                   checkpoints.resolve_resume(args.resume, output), method=method, num_labels=num_labels,
+        resume_from = checkpoints.resolve_resume(args.resume, output)
+        identity = {"architecture": architecture(model_config), "method": method, "num_labels": num_labels,
+                    **(resume_must_match or {})}
+        if resume_from is not None:
+            checkpoints.check_same_run(resume_from, identity)
+            _check_reshape(resume_from, args, zero_stage)
+        estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, zero_stage)
+        if args.save_every:
+            problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate))
+            if problem:
+                raise ConfigError(f"{problem}; or pass --save-every 0 to train without checkpoints.")
+        return cls(recipe, args, output, model_config, ds_path, ds_config, plan, resume_from, method=method,
+                   num_labels=num_labels, identity=identity, checkpoint_estimate=estimate,
                    script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")})
 
     @classmethod
@@ -142,8 +159,22 @@ class TrainingRun:
             skip_flag="--skip_memory_check", flags=TRAINER_FLAGS)
         cuda_ops.check(ds_config)
         output = Path(trainer_kwargs["output_dir"])
+        checkpoints.check_writable(output)
         resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
                                                  checkpoints.TRAINER_LAYOUT)
+        saved = resume_from and checkpoints.trainer_saved_world(resume_from)
+        if saved and saved != env.world_size():
+            raise ConfigError(f"checkpoint '{resume_from}' was saved by {_ranks(saved)}, this launch has "
+                              f"{env.world_size()}: the Trainer's ZeRO-2 checkpoints resume on the same number of "
+                              f"ranks. Launch {_ranks(saved)}, or start a new --output_dir from the consolidated model "
+                              "(the accelerate recipes' ZeRO-3 checkpoints resume on any number).")
+        if resume_from is not None and (resume_from / "config.json").is_file():  # the Trainer saves the model's
+            saved = architecture(models.load_config(str(resume_from)))
+            if saved != architecture(model_config):
+                raise ConfigError(f"checkpoint '{resume_from}' belongs to a different model: {saved} in the "
+                                  f"checkpoint, {architecture(model_config)} now (--model {recipe_args.model}). "
+                                  "Relaunch with the checkpoint's model to continue it, or pass a new --output_dir "
+                                  "to start over; nothing was overwritten.")
         script_args = {**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
                                                if k not in ("output_dir", "resume_from_checkpoint")}}
         return cls(recipe, recipe_args, output, model_config, Path(ds_path), ds_config, plan, resume_from,
@@ -178,6 +209,8 @@ class TrainingRun:
         set_seed(self.args.seed)
         acc = self.accelerator
         self.stop = StopRequest(announce=acc.is_local_main_process).install()
+        if self._reshaping():  # another number of ranks than the checkpoint's: DeepSpeed's universal format
+            acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
         acc.print(f"world size {acc.num_processes}, device {acc.device}, "
                   f"ZeRO stage {checks.zero_stage(self.ds_config)}, config {self.ds_path}")
         return acc
@@ -214,9 +247,25 @@ class TrainingRun:
         preflight (``--resume``); nothing for a fresh run. ``load_kwargs``: DeepSpeed's."""
         if self.resume_from is None:
             return
-        state = checkpoints.load_checkpoint(self.accelerator, self.resume_from, **load_kwargs)
-        self.position = Position(**state)
-        self.accelerator.print(f"resumed from {self.resume_from} at step {self.position.step}")
+        acc = self.accelerator
+        if self._reshaping():
+            saved = checkpoints.saved_world(self.resume_from)
+            if acc.is_main_process:
+                print(f"{self.resume_from} was saved by {_ranks(saved)}; converting it for {acc.num_processes} "
+                      f"(DeepSpeed universal checkpoint, once) ...", flush=True)
+                checkpoints.to_universal(self.resume_from)
+            acc.wait_for_everyone()
+            checkpoints.load_checkpoint(acc, checkpoints.universal_folder(self.resume_from), state=False,
+                                        **load_kwargs)
+            state = checkpoints.reshaped_position(checkpoints.read_state(self.resume_from), saved, acc.num_processes)
+        else:
+            state = checkpoints.load_checkpoint(acc, self.resume_from, **load_kwargs)
+        self.position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+        acc.print(f"resumed from {self.resume_from} at step {self.position.step}")
+
+    def _reshaping(self) -> bool:
+        saved = self.resume_from and checkpoints.saved_world(self.resume_from)
+        return bool(saved) and saved != env.world_size()
 
     # ---- 4. the loop ----
 
@@ -271,8 +320,11 @@ class TrainingRun:
         stopping = pos.step < self.total_steps and self.stop.agreed(self.accelerator)  # signalled: save now
         due = self.args.save_every and (pos.step % self.args.save_every == 0 or pos.step == self.total_steps)
         if stopping or due:
-            path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step, pos.as_dict(),
-                                               keep=self.args.keep_checkpoints)
+            path = checkpoints.save_checkpoint(self.accelerator, self.output, pos.step,
+                                               {**pos.as_dict(), "world_size": self.accelerator.num_processes,
+                                                "global_batch": self.args.micro_batch_size * self.args.grad_accum
+                                                * self.accelerator.num_processes, "run": self.identity},
+                                               keep=self.args.keep_checkpoints, estimate=self.checkpoint_estimate)
             self.accelerator.print(f"\ncheckpoint saved: {path}")
             paused = True
             if stopping:
@@ -390,6 +442,39 @@ class TrainingRun:
 
 
 # ---- helpers ----
+
+def _check_reshape(checkpoint: Path, args, zero_stage: int) -> None:
+    """A checkpoint of another number of ranks resumes exactly only with the same global batch."""
+    state = checkpoints.read_state(checkpoint)
+    saved, world = state.get("world_size"), env.world_size()
+    if not saved or saved == world:
+        return
+    if zero_stage != 3:
+        raise ConfigError(f"checkpoint '{checkpoint}' was saved by {_ranks(saved)}, this launch has {world}: "
+                          f"resuming on another number of ranks is supported under ZeRO-3. Launch {_ranks(saved)}.")
+    given = args.micro_batch_size * args.grad_accum * world
+    if given != state["global_batch"]:
+        accum = state["global_batch"] / (args.micro_batch_size * world)
+        fix = (f"pass --grad-accum {accum:g}" if accum.is_integer() else
+               f"choose --micro-batch-size and --grad-accum whose product is {state['global_batch'] / world:g}")
+        raise ConfigError(
+            f"checkpoint '{checkpoint}' was saved by {_ranks(saved)} with {state['global_batch']} sequences per "
+            f"optimizer step; this launch's {world} ranks take {args.micro_batch_size} x {args.grad_accum} x {world} "
+            f"= {given}. Keep the global batch so that the schedule and the data position carry over: {fix}.")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("" if n == 1 else "s")
+
+
+def architecture(config) -> str:
+    """The model's shape in one line (``llama: hidden 4096, 32 layers, ...``): what a checkpoint must match."""
+    from finetune_kit.models.shapes import ModelShape
+
+    s = ModelShape.from_config(config)
+    return (f"{getattr(config, 'model_type', 'model')}: hidden {s.hidden_size}, {s.num_hidden_layers} layers, "
+            f"{s.num_attention_heads}/{s.num_key_value_heads} heads, ffn {s.intermediate_size}, vocab {s.vocab_size}")
+
 
 def _checked_model_config(model: str, max_seq_len: int):
     config = models.load_config(model)
