@@ -132,8 +132,7 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=str(run.resume_from) if run.resume_from else None)
 
     # ---- 6. Save the consolidated model; validation, run record and run info ----
-    model_dir = run.output / "model"
-    trainer.save_model(str(model_dir))  # ZeRO-2: every rank has the full weights; rank 0 writes
+    model_dir = run.save_trainer_model(trainer)  # ZeRO-2: every rank has the full weights; rank 0 writes
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
     if eval_set is not None:
         eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,

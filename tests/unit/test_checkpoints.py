@@ -212,3 +212,44 @@ def test_another_number_of_ranks_must_keep_the_global_batch(tmp_path, monkeypatc
         run._check_reshape(path, SimpleNamespace(micro_batch_size=micro, grad_accum=accum), zero_stage=3)
     with pytest.raises(ConfigError, match=r"another number of ranks is supported under ZeRO-3\. Launch 1 rank\."):
         run._check_reshape(path, SimpleNamespace(micro_batch_size=4, grad_accum=2), zero_stage=2)
+
+
+# ---- nothing a user made is lost ----
+
+def test_an_interrupted_trainer_save_is_cleaned_and_complete_ones_are_kept(tmp_path):
+    layout = checkpoints.TRAINER_LAYOUT
+    for step, complete in ((3, True), (6, False)):
+        (tmp_path / f"checkpoint-{step}/global_step{step}").mkdir(parents=True)
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "model").mkdir()  # not a checkpoint
+    assert checkpoints.clean_partial(tmp_path, layout) == [tmp_path / "checkpoint-6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "model"]
+
+
+def test_a_final_output_replaces_the_old_one_only_once_complete(tmp_path):
+    from finetune_kit.outputs import written_whole
+
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_text("old")
+    with pytest.raises(KeyboardInterrupt), written_whole(out) as folder:
+        (folder / "adapter_model.safetensors").write_text("half")
+        raise KeyboardInterrupt  # killed while writing
+    assert (out / "adapter_model.safetensors").read_text() == "old"
+    with written_whole(out) as folder:
+        (folder / "adapter_model.safetensors").write_text("new")
+    assert (out / "adapter_model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    with written_whole(tmp_path / "model", writer=False) as folder:  # another rank of a collective save
+        assert folder == tmp_path / "model.partial"
+    assert not folder.exists()
+
+
+def test_a_fresh_start_never_overwrites_a_model_an_unfinished_run_left(tmp_path):
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(ConfigError, match=r"holds adapter/ from an earlier run that has no checkpoint to continue "
+                                          r"and did not finish \(run_record\.json missing\).*nothing was overwritten"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    make_ckpt(tmp_path, 4)  # with a checkpoint, the same command continues that run
+    assert checkpoints.resolve_resume("auto", tmp_path) == checkpoints.checkpoint_path(tmp_path, 4)

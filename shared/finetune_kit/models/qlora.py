@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.outputs import written_whole
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HEAD = "score"  # the classification head of Llama's AutoModelForSequenceClassification
@@ -208,8 +209,9 @@ def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:
         empty = [name for name, t in state.items() if t.numel() == 0]
         if empty:
             raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
-        accelerator.unwrap_model(model).save_pretrained(out, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+        with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
+            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
     return Path(out)
 
@@ -242,6 +244,7 @@ def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: tor
     net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
     net.config.pad_token_id = tokenizer.pad_token_id
     merged = PeftModel.from_pretrained(net, str(adapter)).merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with written_whole(Path(out)) as folder:
+        merged.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
     return Path(out)

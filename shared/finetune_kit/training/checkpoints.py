@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.outputs import written_whole
 
 STATE_FILE = "trainer_state.json"  # the same name as the Trainer's, written last in both layouts
 MANIFEST = "manifest.json"  # files and sizes of a complete checkpoint (recipe layout)
@@ -93,6 +94,8 @@ def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAY
             f"pass {flag} latest to train on from its newest checkpoint; nothing was overwritten."
         )
     if resume == "auto":
+        if not existing:
+            _check_no_outputs(output, flag)
         return _checked(existing[-1], layout) if existing else None
     if resume is None:
         if existing:
@@ -113,6 +116,19 @@ def resolve_resume(resume: str | None, output: Path, layout: Layout = RECIPE_LAY
                           f"{STATE_FILE if not (path / STATE_FILE).is_file() else MANIFEST}: an interrupted save, or "
                           f"not a checkpoint). Complete checkpoints live under '{root}'.")
     return _checked(path, layout)
+
+
+OUTPUTS = ("model", "adapter", "merged")  # what the recipes write at the end of a run
+
+
+def _check_no_outputs(output: Path, flag: str) -> None:
+    """A fresh start must not overwrite a model or adapter an earlier, unfinished run left."""
+    found = [name for name in OUTPUTS if (Path(output) / name).is_dir()]
+    if found:
+        raise ConfigError(
+            f"output folder '{output}' holds {', '.join(f'{n}/' for n in found)} from an earlier run that has no "
+            f"checkpoint to continue and did not finish ({FINISHED} missing); a fresh start would overwrite it. "
+            "Choose a new output folder, or move those folders away; nothing was overwritten.")
 
 
 def _checked(path: Path, layout: Layout) -> Path:
@@ -143,10 +159,18 @@ def verify(path: Path) -> Path:
     return Path(path)
 
 
-def clean_partial(output: Path) -> list[Path]:
-    """Delete the folders of interrupted saves (never complete checkpoints); return them."""
-    root = checkpoint_root(output)
-    removed = sorted(root.glob(f"{PREFIX}*{PARTIAL}")) if root.is_dir() else []
+def clean_partial(output: Path, layout: Layout = RECIPE_LAYOUT) -> list[Path]:
+    """Delete the folders of interrupted saves (never complete checkpoints); return them. In the
+    recipe layout: ``step_N.partial``; in the Trainer's: ``checkpoint-N`` without its trainer state
+    (the Trainer writes it last, after DeepSpeed's barrier at the end of every rank's save)."""
+    root = checkpoint_root(output, layout)
+    if not root.is_dir():
+        return []
+    if layout.atomic:
+        removed = sorted(root.glob(f"{layout.prefix}*{PARTIAL}"))
+    else:
+        removed = sorted(p for p in root.glob(f"{layout.prefix}*") if p.is_dir()
+                         and p.name[len(layout.prefix):].isdigit() and not (p / STATE_FILE).is_file())
     for path in removed:
         shutil.rmtree(path)
     return removed
@@ -332,9 +356,9 @@ def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
     and write safetensors plus tokenizer. All ranks must call; rank 0 writes."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+        with written_whole(out) as folder:
+            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
     return Path(out)
 

@@ -160,6 +160,9 @@ class TrainingRun:
         cuda_ops.check(ds_config)
         output = Path(trainer_kwargs["output_dir"])
         checkpoints.check_writable(output)
+        if env.is_main_rank():
+            for path in checkpoints.clean_partial(output, checkpoints.TRAINER_LAYOUT):
+                print(f"removed {path}: a checkpoint save that never completed (no trainer_state.json)")
         resume_from = checkpoints.resolve_resume(trainer_kwargs["resume_from_checkpoint"], output,
                                                  checkpoints.TRAINER_LAYOUT)
         saved = resume_from and checkpoints.trainer_saved_world(resume_from)
@@ -364,6 +367,16 @@ class TrainingRun:
         self.accelerator, self.meter, self._trainer = trainer.accelerator, trainer.meter, trainer
         self.params_trainable = trainable_parameters(trainer.model)
         return trainer
+
+    def save_trainer_model(self, trainer) -> Path:
+        """The Trainer's consolidated model in ``<output>/model``, put in place only once complete
+        (all ranks call it; the Trainer writes on rank 0)."""
+        from finetune_kit.outputs import written_whole
+
+        model_dir = self.output / "model"
+        with written_whole(model_dir, writer=trainer.args.should_save) as folder:
+            trainer.save_model(str(folder))
+        return model_dir
 
     # ---- 5. the end ----
 
