@@ -59,3 +59,20 @@ def test_a_bad_timeout_value_is_named(monkeypatch, raw):
     monkeypatch.setenv("FINETUNE_COLLECTIVE_TIMEOUT_S", raw)
     with pytest.raises(ConfigError, match=rf"FINETUNE_COLLECTIVE_TIMEOUT_S='{raw}' is not a whole number"):
         env.collective_timeout_s()
+
+
+def test_a_finished_rank_of_several_leaves_without_interpreter_finalisation(rank0, monkeypatch):
+    exits = []
+    monkeypatch.setattr(failures.os, "_exit", exits.append)
+    failures.run_main(lambda: None)
+
+    def stopped_by_a_signal():
+        raise SystemExit(0)
+
+    failures.run_main(stopped_by_a_signal)
+    assert exits == [0, 0]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    failures.run_main(lambda: None)  # one process: the ordinary exit
+    assert exits == [0, 0]
+    with pytest.raises(SystemExit, match="2"):
+        failures.run_main(lambda: exec("raise SystemExit(2)"))

@@ -1,7 +1,9 @@
-"""How a recipe process ends when something fails: one line that says what to do, not a traceback.
+"""How a recipe process ends: one line that says what to do on failure, not a traceback.
 
 ``run_main(main)`` is the last line of every recipe:
 
+- success: a rank of a multi-process run exits 0 without the interpreter's finalisation (see
+  :func:`run_main`);
 - bad input (:class:`~finetune_kit.errors.UserInputError`): ``error: <the message>``, exit 1;
 - another rank gone: a collective failed because a peer closed its connection (its process died:
   an OOM, a kill, a node that went away) or did not answer within the collective timeout
@@ -47,9 +49,18 @@ def peer_failure(err: BaseException) -> str | None:
 
 
 def run_main(main: Callable[[], None]) -> None:
-    """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1."""
+    """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1.
+
+    A rank of a multi-process run that finished leaves with ``os._exit(0)`` once its output is
+    flushed: the run has left its process group (``end_training``), but gloo's worker threads can
+    still hold Python objects, and their teardown during interpreter finalisation sometimes aborts
+    the process ("terminate called without an active exception", exit -6) after a complete run,
+    which the launcher then reports as a failure (pytorch/pytorch#179291)."""
     try:
         main()
+    except SystemExit as stop:  # a clean stop on a signal ends here too
+        if stop.code not in (0, None):
+            raise
     except UserInputError as err:
         sys.exit(f"error: {err}")
     except Exception as err:
@@ -59,3 +70,8 @@ def run_main(main: Callable[[], None]) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # the process group is broken: tearing it down could wait on the dead peer
+        return
+    if env.world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
