@@ -311,13 +311,18 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
                      r"--resume_from_checkpoint latest"),
     ("other_number_of_ranks", r"checkpoint-4' was saved by 2 ranks, this launch has 1: the Trainer's ZeRO-2 "
                               r"checkpoints resume on the same number of ranks\. Launch 2 ranks"),
+    ("no_room_for_a_checkpoint", r"has 1\.0 MiB free and a checkpoint takes about .* MiB.*--save_total_limit 1.*"
+                                 r"--save_strategy no"),
     # transformers would stop only inside trainer.train(), after loading the model
     ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
                                r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
     ("micro_batch_contradicts_json", r"sets train_micro_batch_size_per_gpu = 4 .*--per_device_train_batch_size 1"),
 ])
-def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama2, tmp_path):
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama2, tmp_path, monkeypatch):
+    from collections import namedtuple
+
     from finetune_kit.errors import UserInputError
+    from finetune_kit.training import checkpoints
 
     args = {"--deepspeed": "configs/zero2.json", "--model": str(tiny_llama2), "--data": str(SAMPLE),
             "--max_seq_len": "128", "--output_dir": str(tmp_path / "out")}
@@ -353,6 +358,9 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         (tmp_path / "out/checkpoint-4/trainer_state.json").write_text("{}")
         for rank in (0, 1):
             (tmp_path / f"out/checkpoint-4/global_step4/bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    elif case == "no_room_for_a_checkpoint":
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
     assert case in ("finished_run", "other_number_of_ranks") or not (tmp_path / "out").exists()

@@ -253,3 +253,23 @@ def test_a_fresh_start_never_overwrites_a_model_an_unfinished_run_left(tmp_path)
         checkpoints.resolve_resume("auto", tmp_path)
     make_ckpt(tmp_path, 4)  # with a checkpoint, the same command continues that run
     assert checkpoints.resolve_resume("auto", tmp_path) == checkpoints.checkpoint_path(tmp_path, 4)
+
+
+def test_the_trainer_checks_the_disk_before_each_checkpoint_it_writes(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from finetune_kit.training.trainer import RoomToSaveCallback
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-3" / "model.safetensors").write_bytes(b"w" * 1000)
+    trainer = SimpleNamespace(accelerator=FakeAccelerator())
+    room = RoomToSaveCallback(trainer, estimate=10)
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=6)
+    fake_disk(monkeypatch, free=1050)  # the newest checkpoint's 1002 bytes x 1.1 do not fit
+    room.on_step_end(args, state, SimpleNamespace(should_save=False))  # no save due: nothing checked
+    with pytest.raises(ConfigError, match=r"not saving the step-6 checkpoint: .*--save_total_limit 1.*the newest "
+                                          r"checkpoint is .*checkpoint-3\. Relaunch the same command"):
+        room.on_step_end(args, state, SimpleNamespace(should_save=True))
+    fake_disk(monkeypatch, free=2000)
+    room.on_step_end(args, state, SimpleNamespace(should_save=True))

@@ -183,7 +183,7 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
     first one) with a margin; otherwise every rank raises ConfigError and nothing is touched."""
     path = checkpoint_path(output, step)
     problem = free_space_problem(output, predicted_bytes(output, estimate)) if accelerator.is_main_process else None
-    problem = _same_on_every_rank(accelerator, problem)
+    problem = same_on_every_rank(accelerator, problem)
     if problem:
         newest = list_checkpoints(output)
         kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
@@ -208,7 +208,7 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
     return path
 
 
-def _same_on_every_rank(accelerator, value):
+def same_on_every_rank(accelerator, value):
     """Rank 0's ``value`` on every rank (so that all ranks take the same branch)."""
     if getattr(accelerator, "num_processes", 1) == 1:
         return value
@@ -219,32 +219,36 @@ def _same_on_every_rank(accelerator, value):
 
 # ---- room on disk and a folder to write to ----
 
-def estimate_bytes(total_params: int, trainable_params: int, zero_stage: int) -> int:
+def estimate_bytes(total_params: int, trainable_params: int, zero_stage: int, model_copy: bool = False) -> int:
     """A DeepSpeed checkpoint's size before the first one exists: fp32 master weights and Adam's two
     moments (12 bytes per trainable parameter), plus the 16-bit module weights below ZeRO-3 (ZeRO-3
-    keeps only the partitions; a frozen base, as in QLoRA, is rebuilt from the model, not saved)."""
-    return 12 * trainable_params + (2 * total_params if zero_stage < 3 else 0)
+    keeps only the partitions; a frozen base, as in QLoRA, is rebuilt from the model, not saved),
+    plus a 16-bit copy of the model where the checkpoint holds one too (``model_copy``: the Trainer's)."""
+    return 12 * trainable_params + (2 * total_params if zero_stage < 3 else 0) + (2 * total_params if model_copy else 0)
 
 
-def predicted_bytes(output: Path, estimate: int) -> int:
-    """The newest complete checkpoint's size (its manifest), else ``estimate``."""
-    existing = list_checkpoints(output)
-    if existing:
+def predicted_bytes(output: Path, estimate: int, layout: Layout = RECIPE_LAYOUT) -> int:
+    """The newest complete checkpoint's size (its manifest, or its files), else ``estimate``."""
+    existing = list_checkpoints(output, layout)
+    if not existing:
+        return estimate
+    if layout.atomic:
         return int(json.loads((existing[-1] / MANIFEST).read_text())["bytes"])
-    return estimate
+    return sum(f.stat().st_size for f in existing[-1].rglob("*") if f.is_file())
 
 
-def free_space_problem(output: Path, needed: int) -> str | None:
+def free_space_problem(output: Path, needed: int, layout: Layout = RECIPE_LAYOUT) -> str | None:
     """None if the disk of ``output``'s checkpoints has room for ``needed`` bytes (with the margin),
     else a sentence with both numbers and the fix."""
-    root = checkpoint_root(output)
+    root = checkpoint_root(output, layout)
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free >= needed * FREE_SPACE_MARGIN:
         return None
+    keep = "--keep-checkpoints 1" if layout.atomic else "--save_total_limit 1"
     return (f"'{root}' has {_gib(free)} free and a checkpoint takes about {_gib(needed)} (x{FREE_SPACE_MARGIN} "
-            "margin). Free space on that disk (--keep-checkpoints 1 keeps only the newest checkpoint), or "
-            "point --output at a larger disk")
+            f"margin). Free space on that disk ({keep} keeps only the newest checkpoint), or point the output "
+            "at a larger disk")
 
 
 def _gib(n: int) -> str:

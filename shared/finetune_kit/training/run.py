@@ -178,10 +178,17 @@ class TrainingRun:
                                   f"checkpoint, {architecture(model_config)} now (--model {recipe_args.model}). "
                                   "Relaunch with the checkpoint's model to continue it, or pass a new --output_dir "
                                   "to start over; nothing was overwritten.")
+        estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, zero_stage, model_copy=True)
+        if trainer_kwargs["save_strategy"] != "no":
+            problem = checkpoints.free_space_problem(
+                output, checkpoints.predicted_bytes(output, estimate, checkpoints.TRAINER_LAYOUT),
+                checkpoints.TRAINER_LAYOUT)
+            if problem:
+                raise ConfigError(f"{problem}; or pass --save_strategy no to train without checkpoints.")
         script_args = {**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
                                                if k not in ("output_dir", "resume_from_checkpoint")}}
         return cls(recipe, recipe_args, output, model_config, Path(ds_path), ds_config, plan, resume_from,
-                   script_args=script_args)
+                   script_args=script_args, checkpoint_estimate=estimate)
 
     def check_trainer_arguments(self, training_args) -> None:
         """Raise now what transformers noted while building TrainingArguments and would raise
@@ -358,12 +365,13 @@ class TrainingRun:
         loops above) whose accelerator, meter and progress this run reads at the end."""
         from finetune_kit.metering.flops import FlopCounter
         from finetune_kit.models.shapes import from_config
-        from finetune_kit.training.trainer import MeteredTrainer, StopCallback
+        from finetune_kit.training.trainer import MeteredTrainer, RoomToSaveCallback, StopCallback
 
         self.flop_counter = FlopCounter(from_config(self.model_config), num_labels=self.num_labels)
         trainer = MeteredTrainer(flop_counter=self.flop_counter, metrics_dir=self.output, **trainer_kwargs)
         stop = StopRequest(announce=trainer.args.local_process_index == 0).install()
         trainer.add_callback(StopCallback(trainer, stop))
+        trainer.add_callback(RoomToSaveCallback(trainer, self.checkpoint_estimate))  # sees the final should_save
         self.accelerator, self.meter, self._trainer = trainer.accelerator, trainer.meter, trainer
         self.params_trainable = trainable_parameters(trainer.model)
         return trainer

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
 
+from finetune_kit.errors import ConfigError
 from finetune_kit.metering import keys, memory
 from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+from finetune_kit.training import checkpoints
 from finetune_kit.training.preemption import stop_line
 
 
@@ -95,3 +97,27 @@ class StopCallback(TrainerCallback):
         self.trainer.accelerator.wait_for_everyone()
         self.trainer.accelerator.end_training()
         sys.exit(0)
+
+
+class RoomToSaveCallback(TrainerCallback):
+    """Before every checkpoint the Trainer is about to write, the disk must hold it: the newest
+    checkpoint's size, or ``estimate`` bytes for the first (:func:`checkpoints.free_space_problem`).
+    Otherwise every rank stops with the numbers, before anything is written."""
+
+    def __init__(self, trainer: Trainer, estimate: int):
+        self.trainer, self.estimate = trainer, estimate
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not control.should_save:
+            return
+        output, layout, acc = Path(args.output_dir), checkpoints.TRAINER_LAYOUT, self.trainer.accelerator
+        problem = None
+        if acc.is_main_process:
+            problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, self.estimate, layout),
+                                                     layout)
+        problem = checkpoints.same_on_every_rank(acc, problem)
+        if problem:
+            newest = checkpoints.list_checkpoints(output, layout)
+            kept = f"the newest checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
+            raise ConfigError(f"not saving the step-{state.global_step} checkpoint: {problem}; {kept}. Relaunch "
+                              "the same command once there is room: it resumes from the newest checkpoint.")
