@@ -1,1 +1,2 @@
-"""Repository tooling: where the repository is (:mod:`.paths`), the generated README blocks (:mod:`.readmes`)."""
+"""Repository tooling: where the repository is (:mod:`.paths`), the generated README blocks (:mod:`.readmes`),
+whether the pins, the hash locks and the Dockerfiles agree (:mod:`.pins`)."""

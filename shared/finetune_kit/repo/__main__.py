@@ -1,4 +1,5 @@
-"""python -m finetune_kit.repo readmes [--check] [--root R]: regenerate the recipe READMEs' generated blocks."""
+"""python -m finetune_kit.repo readmes [--check] [--root R]: regenerate the recipe READMEs' generated blocks.
+python -m finetune_kit.repo pins [--root R]: check the locks, the Dockerfiles and noxfile.py against the pins."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.repo import readmes
+from finetune_kit.repo import pins, readmes
 from finetune_kit.repo.paths import find_root
 
 
@@ -19,8 +20,16 @@ def main(argv=None) -> int:
     cmd.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is out of date")
     cmd.add_argument("--root", type=Path, default=None,
                      help="repository root (default: found upwards from the current folder)")
+    cmd = commands.add_parser("pins", help="check the hash locks, Dockerfiles and noxfile.py against the pins",
+                              description=pins.__doc__.split("\n")[0])
+    cmd.add_argument("--root", type=Path, default=None,
+                     help="repository root (default: found upwards from the current folder)")
     args = p.parse_args(argv)
     root = args.root or find_root()
+    if args.command == "pins":
+        found = pins.problems(root)
+        print("\n".join(found) or f"{root / 'docker'}: the locks, the Dockerfiles and noxfile.py agree with the pins")
+        return 1 if found else 0
     stale = readmes.update(root, args.check)
     for readme in stale:
         print(f"{readme}: generated blocks {'out of date' if args.check else 'updated'}")
