@@ -13,8 +13,40 @@ OUTPUT ?= $(CURDIR)/out/llama3-8b-zero3
 RECIPE_8B := recipes/llama3-8b-zero3
 RECIPE_13B := recipes/llama2-13b-zero2
 
+, := ,
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
 local_or_hub = $(if $(wildcard $(1)),$(abspath $(1)),$(1))
+
+# Container mode: CONTAINER=docker (or podman) runs a recipe target in its image (make image), with the
+# flags multi-GPU and multi-node training need: the GPUs (GPU_FLAGS; podman with NVIDIA's CDI:
+# GPU_FLAGS="--device nvidia.com/gpu=all"), the host's IPC namespace (NCCL and the data loader share
+# memory through /dev/shm), the host network (the nodes reach each other's ports; NCCL sees the real
+# interfaces), unlimited locked memory (pinned buffers, InfiniBand), HF_TOKEN from the environment and
+# the Hugging Face cache. Local model, data and output folders are mounted at the same path inside, so
+# every argument means the same in both modes; outputs must be writable by the image's user (uid 1000).
+CONTAINER ?=
+IMAGE_TAG ?= $(VERSION)
+GPU_FLAGS ?= --gpus all
+HF_CACHE ?= $(HOME)/.cache/huggingface
+# NVIDIA's recommended limits for NCCL and pinned memory; a host whose root may not raise them sets it empty.
+ULIMIT_FLAGS ?= --ulimit memlock=-1 --ulimit stack=67108864
+CONTAINER_FLAGS ?=
+# More arguments for the recipe's train.py (e.g. TRAIN_ARGS="--max-steps 100 --save-every 50").
+TRAIN_ARGS ?=
+# $(call in_container,image,model,data files,output folder): the `docker run ...` prefix, or nothing.
+in_container = $(if $(CONTAINER),mkdir -p "$(abspath $(4))" "$(HF_CACHE)" && $(CONTAINER) run --rm $(GPU_FLAGS) \
+  --ipc=host --network host $(ULIMIT_FLAGS) -e HF_TOKEN -v "$(HF_CACHE):/cache/huggingface" \
+  $(if $(wildcard $(2)),-v "$(abspath $(2)):$(abspath $(2)):ro") \
+  $(foreach d,$(sort $(foreach f,$(3),$(if $(wildcard $(f)),$(abspath $(dir $(f)))))),-v "$(d):$(d):ro") \
+  -v "$(abspath $(4)):$(abspath $(4))" $(CONTAINER_FLAGS) $(1):$(IMAGE_TAG))
+# Outside a container: from the recipe folder (the image starts there).
+in_recipe = $(if $(CONTAINER),,cd $(1) &&)
+# The host needs the GPUs and the stack only when the recipe runs on it.
+define need_gpus
+$(if $(CONTAINER),@true,@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
+  echo "make $(1) needs NVIDIA GPUs and the pinned stack; none found here (or set CONTAINER=docker to run it in its image)."; \
+  echo "$(2)"; exit 2; })
+endef
 
 # Llama 3.3 70B QLoRA on 2 nodes: run the same command on both, NODE_RANK=0 on the main node.
 NODE_RANK ?= 0
@@ -25,7 +57,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
-	memory-tables image gpu-check wheelhouse clean
+	memory-tables image lock gpu-check wheelhouse clean
 
 help: ## this list
 	@echo "make <target> [VARIABLE=value ...]"
@@ -55,16 +87,14 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...
-	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
-	  echo "make recipe-8b-zero3 needs NVIDIA GPUs and the pinned stack; none found here."; \
-	  echo "To try the recipe on this machine, run 'make demo' (tiny model, CPU, a few minutes)."; \
-	  exit 2; }
+recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
+	$(call need_gpus,recipe-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" = "1" ]; then cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
-	cd $(RECIPE_8B) && set -x && accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
+	$(call in_recipe,$(RECIPE_8B)) set -x && $(call in_container,llama3-8b-zero3,$(MODEL),$(DATA),$(OUTPUT)) \
+	  accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
-	  --output "$(abspath $(OUTPUT))"
+	  --output "$(abspath $(OUTPUT))" $(TRAIN_ARGS)
 
 # Every recipe's code path on the real architectures truncated to a few layers, on this machine's GPU
 # (a tiny width on CPU), with a summary table; needs the pinned stack installed (as for the recipes).
@@ -94,39 +124,55 @@ memory-tables: readmes ## alias of readmes
 # Container image of a recipe: the common base (docker/Dockerfile: CUDA, the pinned stack, the
 # shared package), then the recipe folder on top (recipes/<name>/Dockerfile). The base image's tag
 # is the package version, read from its one place.
+# ENGINE=podman works too (the docker format keeps the Dockerfile's SHELL). IMAGE_WHEELHOUSE: a folder
+# inside the repository holding a lock's files (bash docker/build-wheelhouse.sh --lock
+# docker/requirements.lock wheelhouse): the stack then installs with no package index.
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' shared/finetune_kit/__init__.py)
 BASE_IMAGE := finetune-kit-base:$(VERSION)
-image: ## the recipe's container image on the common base image: RECIPE=llama3-8b-zero3
-	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(BASE_IMAGE) .
-	docker build -f recipes/$(RECIPE)/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(RECIPE) .
+ENGINE ?= docker
+IMAGE_WHEELHOUSE ?=
+IMAGE_BUILD := $(ENGINE) build $(if $(filter podman,$(ENGINE)),--format docker)
+image: ## the recipe's container image on the common base image: RECIPE=llama3-8b-zero3 [ENGINE=podman]
+	$(IMAGE_BUILD) -f docker/Dockerfile --build-arg VERSION=$(VERSION) \
+	  $(if $(IMAGE_WHEELHOUSE),--build-arg WHEELHOUSE=$(IMAGE_WHEELHOUSE)) -t $(BASE_IMAGE) .
+	$(IMAGE_BUILD) -f recipes/$(RECIPE)/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(RECIPE):$(VERSION) .
+
+# The hash locks docker/requirements.lock (GPU) and requirements-cpu.lock, from the pins in
+# docker/requirements.txt; needs the package index. Change a pin, run this, commit all three.
+lock: $(NOX) ## regenerate the hash locks from docker/requirements.txt (uv; TORCH_CPU_WHEELS=dir for an offline CPU torch)
+	$(NOX) -s lock
 
 # Llama 2 13B, ZeRO-2, HF Trainer, launched with `deepspeed`. NUM_GPUS below 8 picks the
 # optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
-recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=...
-	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
-	  echo "make recipe-13b-zero2 needs NVIDIA GPUs and the pinned stack; none found here."; \
-	  echo "To try it on CPU: 'nox -s recipe-llama2-13b-zero2' runs this recipe on a tiny Llama 2 with 2 processes,"; \
-	  echo "and 'make demo' fine-tunes a tiny Llama 3 with the 8B recipe."; \
-	  exit 2; }
+MODEL_13B = $(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL))
+OUTPUT_13B = $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT))
+recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
+	$(call need_gpus,recipe-13b-zero2,To try it on CPU: 'nox -s recipe-llama2-13b-zero2' (a tiny Llama 2$(,) 2 processes) or 'make demo'.)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
-	cd $(RECIPE_13B) && set -x && deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
-	  --model "$(call local_or_hub,$(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL)))" \
-	  --data "$(call local_or_hub,$(DATA))" \
-	  --output_dir "$(abspath $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT)))"
+	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
+	  deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
+	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
 # Checks the main/worker config pair first (seconds), then starts this node's half of the job.
-recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=...
-	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
-	  echo "make recipe-70b-qlora needs NVIDIA GPUs and the pinned stack; none found here."; exit 2; }
+recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
+	$(call need_gpus,recipe-70b-qlora,The CPU check of this recipe: 'nox -s recipe-llama3-70b-qlora'.)
 	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
 	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
+ifneq ($(CONTAINER),)
+	set -x && $(call in_container,llama3-70b-qlora,$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
+	  recipe-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
+	  MODEL_70B="$(call local_or_hub,$(MODEL_70B))" DATA='$(foreach d,$(DATA),$(call local_or_hub,$(d)))' \
+	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)'
+else
 	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.launch.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
 	  --node-rank $(NODE_RANK)
 	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
 	cd $(RECIPE_70B) && set -x && accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
 	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
-	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))"
+	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))" $(TRAIN_ARGS)
+endif
 
 clean: ## remove .nox, build and out
 	rm -rf .nox build out

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,16 @@ def test_missing_model_path():
 
 def test_folder_without_config(tmp_path):
     with pytest.raises(ConfigError, match=r"has no config.json"):
+        loading.load_config(str(tmp_path))
+
+
+def test_model_file_the_user_cannot_read(tmp_path, monkeypatch):
+    # A model folder written by root and mounted into a container that runs as uid 1000: safetensors
+    # would say "No such file or directory" for a file that is there.
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(loading.os, "access", lambda f, mode: Path(f).name != "model.safetensors")
+    with pytest.raises(ConfigError, match=r"cannot read: model.safetensors.*chmod -R a\+rX"):
         loading.load_config(str(tmp_path))
 
 

@@ -34,6 +34,14 @@ def load_config(model: str):
             f"model folder '{model}' has no config.json: it is not a Hugging Face model folder. "
             "Point --model at the folder that holds config.json and the weights."
         )
+    if path.is_dir():
+        unreadable = sorted(f.name for f in path.iterdir() if f.is_file() and not os.access(f, os.R_OK))
+        if unreadable:
+            raise ConfigError(
+                f"model folder '{model}' has files this user (uid {os.getuid()}) cannot read: "
+                f"{', '.join(unreadable[:5])}. Every file of the model must be readable by the training "
+                f"user: chmod -R a+rX '{model}', or run the container with --user \"$(id -u):$(id -g)\"."
+            )
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else model)
     except OSError as err:
