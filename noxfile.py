@@ -4,6 +4,8 @@
     nox -s recipe-llama3-8b-zero3   # one recipe end to end on a tiny model, 2 CPU processes
     nox -s demo                     # the 8B recipe on the tiny model, for a first look
     nox -s results                  # regenerate results/README.md and results/throughput.png
+    nox -s image                    # build the images with podman and train in the 8B one
+    nox -s lock                     # regenerate the hash locks from the pins (make lock)
 
 The sessions that train (unit, every recipe, demo) share one environment, ``.nox/stack``: the
 pinned stack (docker/requirements.txt + requirements-dev.txt), built once and rebuilt only when
@@ -23,7 +25,7 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora",
-                        "gpu-check-cpu", "wheelhouse"]
+                        "gpu-check-cpu", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -123,6 +125,24 @@ for lib in ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsand
     assert got == pins[lib].strip(), (lib, got, pins[lib])
     print(f"{lib} {got}: installed from the wheelhouse")
 """
+
+
+@nox.session(venv_backend="none")
+def image(session: nox.Session) -> None:
+    """The images built and run with podman: docker/Dockerfile and the 8B recipe's Dockerfile on a
+    Debian base standing in for the CUDA base, from a wheelhouse of the CPU lock; then the 8B recipe
+    trains with 2 processes in the container (needs root and Debian's podman, installed if missing)."""
+    run_in_stack(session, "pytest", "tests/container", *session.posargs)
+
+
+@nox.session(default=False)
+def lock(session: nox.Session) -> None:
+    """Regenerate docker/requirements.lock and requirements-cpu.lock from the pins (needs the index;
+    TORCH_CPU_WHEELS=DIR takes the CPU torch wheel from a folder)."""
+    session.install("-c", "docker/requirements-dev.txt", "uv")
+    session.run("bash", "docker/lock.sh", external=True)
+    session.run("python", "-c", "import sys; sys.path.insert(0, 'shared'); "
+                "from finetune_kit.repo.__main__ import main; sys.exit(main(['pins']))")
 
 
 @nox.session(default=False, venv_backend="none")
