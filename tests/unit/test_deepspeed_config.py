@@ -39,11 +39,16 @@ def test_the_offload_config_puts_adams_state_in_cpu_memory_and_keeps_parameters_
     assert zero["offload_param"]["device"] == "none"
 
 
-def test_nvme_offload_names_its_path():
-    zero = dsc.build(dsc.setup_from(stage=3, offload_optimizer="nvme", offload_param="nvme",
-                                    nvme_path="/local_nvme"))["zero_optimization"]
-    assert zero["offload_optimizer"] == zero["offload_param"] == {"device": "nvme", "nvme_path": "/local_nvme",
-                                                                  "pin_memory": True}
+def test_nvme_offload_names_its_path_sizes_its_buffers_and_sets_async_io():
+    config = dsc.build(dsc.setup_from(stage=3, offload_optimizer="nvme", offload_param="nvme",
+                                      nvme_path="/local_nvme"))
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                                     "buffer_count": 5, "buffer_size": 6e8}
+    assert config["aio"] == {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                             "overlap_events": True}
+    assert "aio" not in dsc.build(dsc.setup_from(stage=3, offload_optimizer="cpu"))
 
 
 def test_fp16_carries_its_loss_scaling_and_turns_bf16_off():

@@ -34,6 +34,17 @@ class LossScaling(BaseModel):
     min_scale: float = 1
 
 
+class AsyncIO(BaseModel):
+    """DeepSpeed's async I/O to NVMe (libaio): request size, requests in flight per thread, threads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    block_size: int = 1048576  # bytes per read/write request: 1 MiB suits NVMe SSDs
+    queue_depth: int = 8  # requests in flight per thread: deeper keeps a fast SSD busy
+    thread_count: int = 1  # I/O threads per rank
+    single_submit: bool = False  # submit requests together (False) or one by one
+    overlap_events: bool = True  # overlap submitting with waiting for completions
+
+
 class DeepSpeedSetup(BaseModel):
     """The choices behind one DeepSpeed config."""
 
@@ -44,6 +55,10 @@ class DeepSpeedSetup(BaseModel):
     offload_optimizer: Device = "none"  # Adam's fp32 state and step: GPU, CPU memory (CPU Adam) or NVMe
     offload_param: Device | None = None  # stage 3 only; None leaves the key out
     nvme_path: str | None = None  # a fast local disk, for either offload to "nvme"
+    aio: AsyncIO = AsyncIO()  # used only with "nvme"
+    # parameters swapped in from NVMe pass through buffer_count pinned buffers of this many elements;
+    # one must hold the largest parameter (Llama 3 8B's embedding: 128,256 x 4,096 = 5.25e8)
+    nvme_param_buffers: tuple[int, float] = (5, 6e8)
     betas: tuple[float, float] | Auto = "auto"
     eps: float | Auto = "auto"
     # stage 1-2: the gradient buckets' size in elements (bigger: fewer, larger collectives; more memory)
@@ -88,6 +103,9 @@ def build(setup: DeepSpeedSetup) -> dict:
         zero["offload_optimizer"] = _offload(setup.offload_optimizer, setup.nvme_path)
     if setup.offload_param is not None:
         zero["offload_param"] = _offload(setup.offload_param, setup.nvme_path)
+        if setup.offload_param == "nvme":
+            count, size = setup.nvme_param_buffers
+            zero["offload_param"] |= {"buffer_count": count, "buffer_size": size}
     if setup.stage in (1, 2):
         zero |= {"allgather_partitions": True, "allgather_bucket_size": setup.bucket_size, "overlap_comm": True,
                  "reduce_scatter": True, "reduce_bucket_size": setup.bucket_size, "contiguous_gradients": True}
@@ -97,6 +115,8 @@ def build(setup: DeepSpeedSetup) -> dict:
                  "sub_group_size": 1e9, "stage3_max_live_parameters": setup.max_live_parameters,
                  "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
     config["zero_optimization"] = zero
+    if "nvme" in (setup.offload_optimizer, setup.offload_param):
+        config["aio"] = setup.aio.model_dump()
     config |= {"gradient_clipping": setup.gradient_clipping, "gradient_accumulation_steps": "auto",
                "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                "steps_per_print": 1000000, "wall_clock_breakdown": False}
