@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import checks, cuda_ops, env
+from finetune_kit.launch import checks, cuda_ops, env, nvme
 from finetune_kit.models import loading as models
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
@@ -115,6 +115,7 @@ class TrainingRun:
                                 gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
                                 adapter=adapter, skip=args.skip_memory_check)
         cuda_ops.check(ds_config, quantized=method == "qlora")
+        nvme.check(ds_config, str(ds_path))
         output = Path(args.output)
         checkpoints.check_writable(output)
         if env.is_main_rank():
@@ -158,6 +159,7 @@ class TrainingRun:
             gradient_checkpointing=trainer_kwargs["activation_checkpointing"], skip=recipe_args.skip_memory_check,
             skip_flag="--skip_memory_check", flags=TRAINER_FLAGS)
         cuda_ops.check(ds_config)
+        nvme.check(ds_config, str(ds_path))
         output = Path(trainer_kwargs["output_dir"])
         checkpoints.check_writable(output)
         if env.is_main_rank():
