@@ -38,6 +38,19 @@ def launch_env(extra: dict | None = None) -> dict:
     return {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache)), **(extra or {})}
 
 
+def ensure_debian_packages(*packages: str, present: Path | str) -> None:
+    """apt-get install ``packages`` unless ``present`` (a file or a command they provide) is there;
+    as root on Debian, as on this project's CI. Otherwise fail, naming the command to run."""
+    if shutil.which(str(present)) or Path(present).exists():
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError(f"this test needs apt-get install {' '.join(packages)} (as root)")
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    if subprocess.run(install, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], check=True, capture_output=True)
+        subprocess.run(install, check=True, capture_output=True)
+
+
 def run_command(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=launch_env())
 

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 
-from tests.harness import REPO
+from tests.harness import REPO, ensure_debian_packages
 
 HOME = REPO / ".nox/podman"
 PACKAGES = ("debootstrap", "podman", "buildah", "uidmap", "catatonit", "runc")
@@ -32,13 +32,7 @@ default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
 
 def environment() -> dict[str, str]:
     """Install podman when it is missing, write its settings, and return the environment that uses them."""
-    if not shutil.which("podman"):
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            raise RuntimeError(f"the image tests need podman: apt-get install {' '.join(PACKAGES)} (as root)")
-        install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
-        if subprocess.run(install, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update"], check=True, capture_output=True)
-            subprocess.run(install, check=True, capture_output=True)
+    ensure_debian_packages(*PACKAGES, present="podman")
     for folder in ("storage", "run", "tmp"):
         (HOME / folder).mkdir(parents=True, exist_ok=True)
     (HOME / "containers.conf").write_text(CONTAINERS_CONF)
