@@ -34,10 +34,11 @@ CONTAINER_FLAGS ?=
 # More arguments for the recipe's train.py (e.g. TRAIN_ARGS="--max-steps 100 --save-every 50").
 TRAIN_ARGS ?=
 # $(call in_container,image,model,data files,output folder): the `docker run ...` prefix, or nothing.
+# Each folder is mounted once (a data folder that is also the model or output folder is not repeated).
 in_container = $(if $(CONTAINER),mkdir -p "$(abspath $(4))" "$(HF_CACHE)" && $(CONTAINER) run --rm $(GPU_FLAGS) \
   --ipc=host --network host $(ULIMIT_FLAGS) -e HF_TOKEN -v "$(HF_CACHE):/cache/huggingface" \
   $(if $(wildcard $(2)),-v "$(abspath $(2)):$(abspath $(2)):ro") \
-  $(foreach d,$(sort $(foreach f,$(3),$(if $(wildcard $(f)),$(abspath $(dir $(f)))))),-v "$(d):$(d):ro") \
+  $(foreach d,$(filter-out $(abspath $(2)) $(abspath $(4)),$(sort $(foreach f,$(3),$(if $(wildcard $(f)),$(abspath $(dir $(f))))))),-v "$(d):$(d):ro") \
   -v "$(abspath $(4)):$(abspath $(4))" $(CONTAINER_FLAGS) $(1):$(IMAGE_TAG))
 # Outside a container: from the recipe folder (the image starts there).
 in_recipe = $(if $(CONTAINER),,cd $(1) &&)
