@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ def wheelhouse() -> str:
     house, stamp = REPO / WHEELHOUSE, REPO / WHEELHOUSE / ".lock.sha256"
     digest = hashlib.sha256((REPO / LOCK).read_bytes()).hexdigest()
     if not stamp.is_file() or stamp.read_text() != digest:
-        subprocess.run(["rm", "-rf", str(house)], check=True)
+        shutil.rmtree(house, ignore_errors=True)
         subprocess.run(["bash", "docker/build-wheelhouse.sh", "--lock", LOCK, str(house)], cwd=REPO, check=True,
                        timeout=900)
         stamp.write_text(digest)

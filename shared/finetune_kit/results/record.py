@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from finetune_kit.metering.flops import device_name
+from finetune_kit.repo.pins import read_pins
 
 SCHEMA = "finetune-kit/run-record/1"
 LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
@@ -161,8 +162,7 @@ def pinned_versions(start: Path | None = None) -> dict[str, str]:
     for folder in (start, *start.parents):
         lock = folder / "docker/requirements.txt"
         if lock.is_file():
-            lines = [line.split("#")[0].strip() for line in lock.read_text().splitlines()]
-            return dict(line.split("==", 1) for line in lines if "==" in line)
+            return read_pins(lock)
     return {}
 
 
