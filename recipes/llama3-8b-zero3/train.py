@@ -11,6 +11,9 @@ Launch from this folder:
     # one GPU, optimizer states in CPU memory:
     accelerate launch --config_file configs/zero3-offload.yaml train.py --data my_data.jsonl
 
+    # the same script under PyTorch FSDP2 instead of DeepSpeed (README: "ZeRO-3 or FSDP2?"):
+    accelerate launch --config_file configs/fsdp2.yaml train.py --data my_data.jsonl
+
 Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists: chat "messages",
 ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
@@ -42,10 +45,10 @@ def main(argv=None) -> None:
 
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
     run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH,
-                                configs=". Use configs/zero3.json or zero3-offload.json.")
+                                configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
 
-    # ---- 2. Distributed setup: the accelerate YAML + DeepSpeed JSON drive everything ----
+    # ---- 2. Distributed setup: the accelerate YAML (+ DeepSpeed JSON, or FSDP2) drives everything ----
     accelerator = run.start()
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
@@ -62,7 +65,7 @@ def main(argv=None) -> None:
     eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=pad) if eval_set else None
     run.plan_steps(train_dl)
 
-    # ---- 4. Model: built inside deepspeed.zero.Init, each rank holds only its shard ----
+    # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
     model = models.load_causal_lm(args.model)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
@@ -70,7 +73,7 @@ def main(argv=None) -> None:
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
-    # ---- 5. Optimizer from the JSON ("auto" filled here), cosine schedule with warm-up ----
+    # ---- 5. Optimizer from the JSON ("auto" filled here; FSDP2: AdamW), cosine schedule with warm-up ----
     optimizer, scheduler = run.optimizer_and_schedule(model.parameters())
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if eval_dl is not None:
@@ -84,6 +87,8 @@ def main(argv=None) -> None:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)  # DeepSpeed steps optimizer + schedule at the boundary
+            if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clips per its JSON
+                accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

@@ -308,8 +308,10 @@ def write_csv(path: Path, text: str) -> str:
     ("quant_storage_mismatch", r"--quant-storage float32 differs from the model dtype --dtype bfloat16.*"
                                r"Pass --quant-storage bfloat16"),
     ("device_map_under_zero3", r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"),
+    ("fsdp_launch", r"llama3-70b-qlora runs under DeepSpeed ZeRO-3; FSDP2 launch configs are supported for full "
+                    r"fine-tuning"),
 ])
-def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path):
+def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path, monkeypatch):
     from finetune_kit.errors import UserInputError
 
     args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "64",
@@ -326,6 +328,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--quant-storage"] = "float32"
     elif case == "device_map_under_zero3":
         args["--device-map"] = "auto"
+    elif case == "fsdp_launch":  # the 8B recipe's configs/fsdp2.yaml, launched here
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
     assert not (tmp_path / "out").exists()

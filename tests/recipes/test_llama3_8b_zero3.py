@@ -167,6 +167,100 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
 
 
+# ---- the same train.py under PyTorch FSDP2 (configs/fsdp2.yaml) ----
+
+FSDP_GOLDEN = REPO / "tests/golden/llama3-8b-fsdp2.json"
+FSDP_CONFIG = "configs/fsdp2.yaml"
+ZERO3_VS_FSDP2_ATOL = 1e-3  # measured: 1.1e-4 over the 8 steps
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
+    """The ZeRO-3 run's command with the FSDP2 launch config instead: nothing else changes."""
+    output = tmp_path_factory.mktemp("runs") / "fsdp2"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", config=FSDP_CONFIG)
+    assert_finished(proc, STEPS, "FSDP2")
+    assert "FSDP2 (full sharding; fp32 weights, bf16 compute, fp32 gradient reduction)" in proc.stdout
+    return output
+
+
+def test_fsdp2_losses_match_golden(fsdp_run):
+    assert_matches_golden(losses(fsdp_run), FSDP_GOLDEN, STEPS)
+
+
+def test_zero3_and_fsdp2_train_alike(run, fsdp_run):
+    """Same seed, data, initial weights and schedule: the first loss is the same number, and the
+    others stay within ZERO3_VS_FSDP2_ATOL. Both keep fp32 master weights and Adam states and
+    compute in bf16; what differs is the gradient path: DeepSpeed reduces bf16 gradients, this
+    FSDP2 setup reduce-scatters them in fp32, so the updates differ in their last bits."""
+    zero3, fsdp2 = losses(run), losses(fsdp_run)
+    assert zero3[0] == fsdp2[0]
+    diffs = [abs(a - b) for a, b in zip(zero3, fsdp2, strict=True)]
+    print("ZeRO-3 vs FSDP2 per-step loss difference:", " ".join(f"{d:.1e}" for d in diffs))
+    assert max(diffs) < ZERO3_VS_FSDP2_ATOL, list(zip(zero3, fsdp2, strict=True))
+    assert [m["lr"] for m in read_metrics(fsdp_run)] == pytest.approx([m["lr"] for m in read_metrics(run)])
+
+
+def test_fsdp2_shards_parameters_and_records_the_engine(fsdp_run, tiny_llama3):
+    from finetune_kit.results.record import RunRecord
+
+    info = read_run_info(fsdp_run)
+    assert (info["engine"], info["zero_stage"], info["precision"], info["deepspeed_config"]) == ("fsdp2", 3, "bf16", "")
+    assert_ranks_disjoint(info)
+    for rank in info["ranks"]:
+        params = rank["params"]  # every parameter a DTensor, split in two along its first dimension
+        assert params["local"] * 2 == params["total"] and params["partitioned_params"] > 0, params
+    plan = info["memory_plan"]
+    assert plan["setup"]["engine"] == "fsdp2"
+    assert "fp32 weights + gradients + Adam, sharded (16 B/param / GPUs)" in plan["gpu_GiB"]
+    rec = RunRecord.read(fsdp_run / "run_record.json")
+    assert (rec.training.engine, rec.training.zero_stage, rec.training.offload) == ("fsdp2", 3, "none")
+    assert_throughput_metrics(fsdp_run)
+
+
+def test_fsdp2_consolidated_model_is_the_trained_model(fsdp_run, tiny_llama3):
+    """model/ is bf16 safetensors that plain transformers loads; its weights are the fp32 weights of
+    the last sharded checkpoint (torch.distributed.checkpoint) rounded to bf16."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(fsdp_run / "model")
+    assert saved.dtype == torch.bfloat16
+    whole = fsdp_run / "dcp.pt"
+    dcp_to_torch_save(fsdp_run / f"checkpoints/step_{STEPS:06d}/pytorch_model_fsdp_0", whole)
+    masters = torch.load(whole, weights_only=True)["model"]  # accelerate saves {"model": state dict}
+    assert {v.dtype for v in masters.values()} == {torch.float32}
+    state = saved.state_dict()
+    assert set(state) == set(masters)
+    for name, master in masters.items():
+        assert torch.equal(state[name], master.to(torch.bfloat16)), name
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama3)
+    assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_fsdp2_checkpoint_resumes_exactly(nproc, fsdp_run, recipe_copy, tiny_llama3, tmp_path):
+    """The step-4 sharded checkpoint, resumed on 2 ranks and on 1 (torch.distributed.checkpoint
+    reshards on load; the global batch kept: 1 x 4 x 4 is 2 x 4 x 2): the losses of steps 5-8 are
+    the uninterrupted run's; the schedule is counted in optimizer steps, not ranks' steps."""
+    output = tmp_path / f"resumed-{nproc}"
+    shutil.copytree(fsdp_run / f"checkpoints/step_{SAVE_EVERY:06d}", output / f"checkpoints/step_{SAVE_EVERY:06d}")
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--grad-accum", str(4 // nproc), "--output", str(output),
+                  "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0",
+                  config=FSDP_CONFIG, nproc=nproc)
+    assert_finished(proc, STEPS, f"FSDP2 resume on {nproc}")
+    assert f"at step {SAVE_EVERY}" in proc.stdout
+    assert_resumed_like_uninterrupted(fsdp_run, output, SAVE_EVERY, STEPS, atol=1e-5)
+    assert [m["lr"] for m in read_metrics(output)] == pytest.approx([m["lr"] for m in read_metrics(fsdp_run)][4:])
+
+
+def test_fsdp2_refuses_a_resume_of_a_deepspeed_checkpoint(run, recipe_copy, tiny_llama3, tmp_path):
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "other"), "--max-steps", str(STEPS),
+                  "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), config=FSDP_CONFIG)
+    assert_failed_early(proc, "belongs to a different run: engine 'deepspeed' in the checkpoint, 'fsdp2' now")
+
+
 @pytest.fixture(scope="module")
 def chat_run(recipe_copy, tiny_llama3, tmp_path_factory):
     """Multi-turn conversations with system turns, packed: the same command with --data and --pack."""
@@ -337,6 +431,9 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
                        r"'zero_optimization\.stage3_prefetch_bucket_size'\?\)"),
     ("unwritable_output", r"output folder '.*taken/out' cannot be written.*\(Not a directory\)"),
     ("no_room_for_a_checkpoint", r"has 1\.0 MiB free and a checkpoint takes about .* MiB.*--save-every 0"),
+    ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
+                      r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
+                      r"script checkpoints every decoder layer too"),
 ])
 def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path, monkeypatch):
     from collections import namedtuple
@@ -373,6 +470,12 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     elif case == "no_room_for_a_checkpoint":
         usage = namedtuple("usage", "total used free")
         monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    elif case == "fsdp_settings":  # what accelerate exports from an FSDP1 YAML with full state dicts and its AC on
+        for key, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_MIXED_PRECISION": "bf16",
+                           "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                           "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+                           "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_ACTIVATION_CHECKPOINTING": "true"}.items():
+            monkeypatch.setenv(key, value)
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
     assert not (tmp_path / "out").exists()

@@ -6,6 +6,11 @@ DeepSpeed reports ``num_processes == 1`` on every rank unless the process group 
 created with the gloo backend: the ranks would then silently train as independent
 single-process jobs. Passing ``InitProcessGroupKwargs(backend="gloo")`` fixes it.
 
+An FSDP launch meets a second trap there: accelerate enables FSDP only for GPU (and other
+accelerator) process groups, so on CPU the YAML's FSDP settings would be dropped and the ranks
+would train unsharded, as plain data parallel. :func:`make_accelerator` marks the state as FSDP
+itself (:func:`_fsdp_on_cpu`); ``fully_shard`` then shards over the gloo group as it does over NCCL.
+
 Recipes driven by the Hugging Face ``Trainer`` meet the same trap one level up:
 ``TrainingArguments`` builds its own accelerate state. ``trainer_cpu_overrides()`` is their
 fix, again a no-op on GPUs.
@@ -19,9 +24,9 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from finetune_kit.launch import env
+from finetune_kit.launch import env, fsdp
 
 # DeepSpeed 0.19 calls torch's deprecated collective names on every step; the warning is
 # repeated per rank per step and says nothing the user can act on.
@@ -43,7 +48,26 @@ def make_accelerator(**kwargs) -> Accelerator:
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timeout))
     elif not on_cpu_only():
         handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL: accelerate's own backend
-    return Accelerator(kwargs_handlers=handlers, **kwargs)
+    if fsdp.launched():
+        kwargs.setdefault("fsdp_plugin", fsdp.plugin())  # the YAML's settings, fp32 gradient reduction
+    accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
+    if fsdp.launched() and accelerator.distributed_type != DistributedType.FSDP:
+        _fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
+    return accelerator
+
+
+def _fsdp_on_cpu(accelerator: Accelerator, plugin) -> None:
+    """Make accelerate treat a CPU (gloo) process group launched with an FSDP config as FSDP. The
+    shared state is set in both of accelerate's state singletons: ``AcceleratorState`` copies
+    ``PartialState``'s fields whenever it is instantiated again, and the collectives of
+    ``accelerate.utils`` (gather, broadcast) read ``PartialState``."""
+    from accelerate import PartialState
+
+    if not on_cpu_only():
+        raise RuntimeError(f"accelerate did not enable FSDP on {accelerator.device}; check the accelerate YAML")
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
 
 
 def trainer_cpu_overrides() -> dict:

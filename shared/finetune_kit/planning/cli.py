@@ -3,6 +3,7 @@
     python -m finetune_kit.planning --model llama3-8b --deepspeed-config recipes/llama3-8b-zero3/configs/zero3.json \\
         --nodes 1 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 4 --seq-len 2048
     python -m finetune_kit.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
+    python -m finetune_kit.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
     python -m finetune_kit.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
 
 ``--model`` takes a config.json, a model folder, or a known architecture: see
@@ -15,6 +16,7 @@ A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
      "setups": [{"label": "1 node x 8 GPUs", "config": "configs/zero3.json", "nodes": 1,
                  "gpus_per_node": 8, "gpu_memory_GiB": 80, "host_memory_GiB": 1000}]}
 
+A setup's ``config`` is a DeepSpeed JSON, or an accelerate YAML (``.yaml``) for an FSDP2 launch.
 Each setup may override micro_batch, seq_len and gradient_checkpointing. :func:`recipe_table` is the
 README's memory table of those setups; ``python -m finetune_kit.repo readmes`` (``make readmes``)
 writes it into the recipe's README.md.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import resolve_model
-from finetune_kit.planning.memory import Adapter, GiB, Plan, Setup, plan, setup_from_deepspeed, suggest
+from finetune_kit.planning.memory import Adapter, GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
               "gradient_checkpointing")
@@ -55,7 +57,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def describe_setup(s: Setup) -> str:
     offload = [w for w, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param)) if on]
     method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
-    return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), ZeRO-{s.stage}, offload: {', '.join(offload) or 'none'}, "
+    sharding = "FSDP2 (full sharding)" if s.engine == "fsdp2" else f"ZeRO-{s.stage}"
+    return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), {sharding}, offload: {', '.join(offload) or 'none'}, "
             f"{method}, micro-batch {s.micro_batch} x {s.seq_len} tokens, gradient checkpointing "
             f"{'on' if s.gradient_checkpointing else 'off'}")
 
@@ -93,8 +96,12 @@ def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
     out = []
     for entry in spec["setups"]:
         fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
-        ds = json.loads((recipe_dir / entry["config"]).read_text())
-        setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        config = recipe_dir / entry["config"]
+        if config.suffix in (".yaml", ".yml"):  # an accelerate FSDP launch config
+            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        else:
+            ds = json.loads(config.read_text())
+            setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
         out.append((entry, plan(shape, setup)))
     return out
 
@@ -120,12 +127,13 @@ def recipe_table(recipe_dir: Path) -> str:
     if plans[0][1].setup.adapter:
         states = "the frozen base (nf4 with its quantisation constants, or bf16), LoRA weights with full Adam states"
     else:
-        states = "model states as DeepSpeed's own estimators count them (full fine-tuning)"
+        states = ("model states as DeepSpeed's own estimators count them (full fine-tuning; FSDP2 rows: 16 bytes "
+                  "per parameter sharded, plus the gathered layers)")
     note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
             f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
             "activations with the loss's logits, and CUDA context + allocator overhead; host RAM per node "
             "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
-    header = ["setup", "DeepSpeed config", "micro-batch x tokens", "checkpointing", "model states",
+    header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
               "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
     return note + "\n\n" + markdown_table(header, rows)
 
@@ -148,6 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ds.add_argument("--stage", type=int, choices=[0, 1, 2, 3])
     ds.add_argument("--offload-optimizer", action="store_true", default=None)
     ds.add_argument("--offload-param", action="store_true", default=None)
+    ds.add_argument("--fsdp2", action="store_true", help="PyTorch FSDP2 (full sharding) instead of DeepSpeed")
     run = p.add_argument_group("batch and method")
     run.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
     run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
@@ -166,11 +175,12 @@ def setup_from_args(args) -> Setup:
     if args.lora_rank or args.qlora:
         targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
         adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
-    setup = setup_from_deepspeed(ds, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                 gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
-                                 micro_batch=args.micro_batch_size, seq_len=args.seq_len,
-                                 gradient_checkpointing=args.gradient_checkpointing, adapter=adapter,
-                                 num_labels=args.num_labels)
+    fields = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_GiB=args.gpu_memory_GiB,
+                  host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size, seq_len=args.seq_len,
+                  gradient_checkpointing=args.gradient_checkpointing, adapter=adapter, num_labels=args.num_labels)
+    if args.fsdp2:
+        return setup_for_fsdp2(**fields)
+    setup = setup_from_deepspeed(ds, **fields)
     overrides = {k: getattr(args, k) for k in ("stage", "offload_optimizer", "offload_param")
                  if getattr(args, k) is not None}
     return replace(setup, **overrides)

@@ -10,6 +10,9 @@ Everything is arithmetic on the model's ``config.json`` (no weights, no torch, n
   Adam moments, plus 2 bytes of bf16 weights, 4 bytes per parameter of the largest layer for
   ZeRO-3's gathered weights, and a 1.5x margin on host memory. :func:`zero_paper_model_states`
   gives the ZeRO paper's leaner accounting (2 + 2 + K bytes, K = 12) for comparison.
+* **FSDP2** (full fine-tuning, full sharding, fp32 sharded weights cast to bf16 for compute,
+  fp32 gradient reduction): 16 bytes per parameter split over all GPUs, plus the working set of
+  the units being gathered; see :func:`fsdp2_model_states`.
 * **LoRA / QLoRA**: frozen base weights (bf16, or nf4 with its quantisation constants), the
   bf16 layers bitsandbytes does not quantise (embeddings, norms, head), LoRA weights with full
   Adam states; see :func:`adapter_model_states`.
@@ -104,6 +107,35 @@ def zero_paper_model_states(psi: float, stage: int, num_gpus: int, k: int = 12) 
     if stage == 2:
         return 2 * psi + (2 + k) * psi / num_gpus
     return (2 + 2 + k) * psi / num_gpus
+
+
+def fsdp2_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None = None
+                       ) -> dict[str, tuple[int, int]]:
+    """{part: (host bytes per node, GPU bytes per GPU)} of full fine-tuning under FSDP2 as the recipes
+    launch it (``launch.fsdp``: one unit per decoder layer, the embedding and the final norm + head as
+    units of their own, full sharding, ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``).
+
+    * sharded over all GPUs: fp32 weights (4 B; they are the optimizer's master weights), fp32
+      gradients (4 B) and Adam's two fp32 moments (8 B): 16 bytes per parameter / N, where
+      DeepSpeed's ZeRO-3 estimator counts 18 (bf16 and fp32 gradients both);
+    * gathered in bf16: the decoder layer computing and the next one, prefetched (2 x 2 B per
+      layer parameter), and the head, which accelerate keeps gathered from its forward to its
+      backward (``reshard_after_forward=False`` for the last unit);
+    * one unit's unsharded gradients in backward: bf16, and the fp32 copy reduce-scattered (6 B);
+    * host: rank 0 reads the whole checkpoint and holds it in fp32 while the shards are sent out
+      (``fsdp_cpu_ram_efficient_loading``); the other ranks build the model on the meta device.
+    """
+    psi = shape.total_params(num_labels)
+    layer = (psi - shape.vocab_size * shape.hidden_size - shape.head_params(num_labels)
+             - shape.hidden_size) // shape.num_hidden_layers  # a decoder layer with its two norms
+    head = shape.head_params(num_labels)
+    unit = max(layer, head, shape.vocab_size * shape.hidden_size)
+    return {
+        "fp32 weights + gradients + Adam, sharded (16 B/param / GPUs)": (0, (FP32 + FP32 + 2 * FP32) * psi // gpus),
+        "gathered bf16 weights (2 layers + head)": (0, BF16 * (2 * layer + head)),
+        "one unit's unsharded gradients (bf16 + fp32)": (0, (BF16 + FP32) * unit),
+        "full fp32 state dict on rank 0 while loading": (FP32 * psi, 0),
+    }
 
 
 @dataclass(frozen=True)
@@ -215,7 +247,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
-    """One way to run: hardware, ZeRO settings and batch shape. Memory in GiB."""
+    """One way to run: hardware, ZeRO (or FSDP2) settings and batch shape. Memory in GiB."""
 
     nodes: int = 1
     gpus_per_node: int = 8
@@ -230,6 +262,7 @@ class Setup:
     gradient_checkpointing: bool = True
     adapter: Adapter | None = None
     num_labels: int | None = None  # sequence classification head instead of the LM head
+    engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
 
     @property
     def gpus(self) -> int:
@@ -325,7 +358,17 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         log.warning("QLoRA with offload_param: bitsandbytes 4-bit weights are used on the GPU; expect more GPU "
                     "memory than predicted (PEFT's DeepSpeed guide, caveat 3).")
     result = Plan(model=shape, setup=s, total_params=shape.total_params(s.num_labels))
-    if s.adapter is None:
+    if s.engine == "fsdp2":
+        if s.adapter is not None or s.offload_optimizer or s.offload_param:
+            raise ConfigError("the FSDP2 plan covers full fine-tuning without offload; plan LoRA/QLoRA and offload "
+                              "with DeepSpeed (engine \"deepspeed\")")
+        result.trainable_params = result.total_params
+        for name, (cpu, gpu) in fsdp2_model_states(shape, gpus=s.gpus, num_labels=s.num_labels).items():
+            if gpu:
+                result.gpu_parts[name] = gpu
+            if cpu:
+                result.host_parts[name] = cpu
+    elif s.adapter is None:
         result.trainable_params = result.total_params
         cpu, gpu = deepspeed_model_states(
             result.total_params, shape.largest_layer_params(s.num_labels), stage=s.stage,
@@ -403,6 +446,8 @@ def _candidates(s: Setup):
         stage = 3 if z3 else s.stage
         if (par and not (stage == 3 and opt)) or (opt and stage < 2):
             continue
+        if s.engine == "fsdp2" and (opt or par):  # FSDP2 here: no offload, no stage to raise
+            continue
         cost = (halve * COSTS["micro_batch_halving"]
                 + (gc and not s.gradient_checkpointing) * COSTS["gradient_checkpointing"]
                 + (stage != s.stage) * COSTS["zero3"]
@@ -465,6 +510,11 @@ def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
                  offload_param=_device(zero.get("offload_param")), **fields)
 
 
+def setup_for_fsdp2(**fields) -> Setup:
+    """A Setup for an FSDP2 launch (full sharding; ``launch.fsdp``); other fields as given."""
+    return Setup(stage=3, engine="fsdp2", **fields)
+
+
 def local_gpu_memory_GiB() -> float | None:
     """Total memory of this process's GPU (LOCAL_RANK) in GiB, or None without CUDA.
 
@@ -481,12 +531,13 @@ def local_gpu_memory_GiB() -> float | None:
     return torch.cuda.get_device_properties(index).total_memory / GiB
 
 
-def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: int, seq_len: int,
+def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
               num_labels: int | None = None, gpu_memory_GiB: float | None = None,
               host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
               flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
+    ``ds_config``: the launched DeepSpeed JSON, or None for an FSDP2 launch.
 
     Call before any process group, data or weights. ``gpu_memory_GiB`` defaults to this GPU's
     capacity; on a machine without CUDA there is nothing to compare with: the prediction is logged,
@@ -510,10 +561,10 @@ def preflight(model_config, ds_config: dict, *, world_size: int, micro_batch: in
     nodes = max(1, world_size // gpus_per_node)
     if gpu_memory_GiB is None:
         gpu_memory_GiB = local_gpu_memory_GiB()
-    setup = setup_from_deepspeed(ds_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
-                                 host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
-                                 gradient_checkpointing=gradient_checkpointing, adapter=adapter,
-                                 num_labels=num_labels)
+    fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
+                  host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
+                  gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels)
+    setup = setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")
     if result.fits is False:

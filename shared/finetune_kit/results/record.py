@@ -58,7 +58,8 @@ class Software(_Strict):
 
 class Training(_Strict):
     method: str  # "full" | "lora" | "qlora"
-    zero_stage: int
+    zero_stage: int  # 3 under FSDP2 (full sharding: weights, gradients and optimizer states split)
+    engine: str = "deepspeed"  # "deepspeed" | "fsdp2": what shards the model
     offload: str  # "none" | "optimizer" | "optimizer+params"
     seq_len: int
     micro_batch_size: int
@@ -203,11 +204,12 @@ def offload_of(ds_config: dict) -> str:
 def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params_trainable: int,
                      ds_config: dict, script_args: dict, world: int, nodes: int, training: dict,
                      meter, warmup_steps: int, peaks: dict, where: Path,
-                     predicted_gpu_GiB: float | None = None) -> RunRecord:
+                     predicted_gpu_GiB: float | None = None, engine: str = "deepspeed") -> RunRecord:
     """Assemble the record at the end of a run from what the script already has.
 
     ``training``: method, seq_len, micro_batch_size, grad_accum, gradient_checkpointing
-    [, packing]; ``peaks``: from ``metering.memory.peaks_all_ranks``.
+    [, packing]; ``peaks``: from ``metering.memory.peaks_all_ranks``; ``ds_config``: the DeepSpeed
+    JSON, or under ``engine="fsdp2"`` the FSDP settings (hashed with the arguments).
     """
     num_labels = flop_counter.num_labels
     summary = meter.summary(warmup_steps)
@@ -223,8 +225,8 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
         hardware=Hardware(device=device_name(), devices=world, nodes=nodes,
                           peak_bf16_tflops_per_device=meter.peak_tflops),
         software=software(),
-        training=Training(zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
-                          offload=offload_of(ds_config),
+        training=Training(zero_stage=3 if engine == "fsdp2" else ds_config.get("zero_optimization", {}).get("stage", 0),
+                          offload=offload_of(ds_config), engine=engine,
                           global_batch_size=training["micro_batch_size"] * training["grad_accum"] * world,
                           **training),
         measured=Measured(steps_total=len(meter.history), steps_measured=summary["steps_measured"],
@@ -248,9 +250,10 @@ class RunInfo(_Strict):
     model: str
     world_size: int
     nodes: int
-    zero_stage: int
+    engine: str = "deepspeed"  # "deepspeed" | "fsdp2"
+    zero_stage: int  # 3 under FSDP2 (full sharding)
     precision: str  # "bf16" | "fp16" | "fp32"
-    deepspeed_config: str
+    deepspeed_config: str  # "" under FSDP2
     steps: int
     total_steps: int
     resumed_from: str  # "" for a fresh run

@@ -357,11 +357,23 @@ def load_checkpoint(accelerator, path: Path, state: bool = True, **load_kwargs) 
 
 def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
     """Gather the full 16-bit weights (ZeRO-3: needs stage3_gather_16bit_weights_on_model_save)
-    and write safetensors plus tokenizer. All ranks must call; rank 0 writes."""
+    and write safetensors plus tokenizer. All ranks must call; rank 0 writes. FSDP2 keeps fp32
+    weights (its master copy): they are written in the model's own dtype (``config.dtype``, bf16
+    for Llama), as DeepSpeed writes its 16-bit weights."""
+    import torch
+
     state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    dtype = getattr(unwrapped.config, "dtype", None)  # what the model was loaded as
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if accelerator.is_main_process and state_dict and isinstance(dtype, torch.dtype):
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if accelerator.is_main_process:
         with written_whole(out) as folder:
-            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+            unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+            if isinstance(dtype, torch.dtype):  # save_pretrained records the modules' dtype (FSDP2: fp32)
+                unwrapped.config.dtype = dtype
+                unwrapped.config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
     return Path(out)

@@ -1,6 +1,6 @@
-"""How much of the model and optimizer this rank holds: the evidence that ZeRO partitioned them.
+"""How much of the model and optimizer this rank holds: the evidence that ZeRO (or FSDP2) partitioned them.
 
-Element counts, per rank, for ``run_info.json``: ZeRO-3 splits every parameter
+Element counts, per rank, for ``run_info.json``: ZeRO-3 and FSDP2 split every parameter
 (:func:`parameter_partition`), ZeRO-1/2 split the fp32 master weights and optimizer states
 (:func:`optimizer_partition`).
 """
@@ -29,26 +29,43 @@ def optimizer_partition(engine) -> dict:
 
 
 def parameter_partition(model) -> dict:
-    """How much of the model this rank holds (ZeRO-3 splits each parameter across ranks).
+    """How much of the model this rank holds (ZeRO-3 and FSDP2 split each parameter across ranks).
 
     Returns element counts: ``local`` held by this rank, ``total`` in the model, and
-    ``partitioned_params``, the number of parameters that ZeRO-3 manages.
+    ``partitioned_params``, the number of parameters that ZeRO-3 or FSDP2 shards.
     """
+    _reshard_fsdp(model)
     local = total = partitioned = 0
     for param in model.parameters():
         if hasattr(param, "ds_numel"):  # a ZeRO-3 parameter: p.data is an empty placeholder
             partitioned += 1
             total += param.ds_numel
             local += param.ds_tensor.numel()
+        elif hasattr(param, "to_local"):  # an FSDP2 parameter: a DTensor sharded on dim 0
+            partitioned += 1
+            total += param.numel()
+            local += param.to_local().numel()
         else:
             total += param.numel()
             local += param.numel()
     return {"local": local, "total": total, "partitioned_params": partitioned}
 
 
+def _reshard_fsdp(model) -> None:
+    """Free FSDP2's gathered weights: a unit kept gathered after a forward without backward (the head,
+    after evaluation) would otherwise count whole."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for module in getattr(model, "modules", list)():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def rank_report(engine) -> dict:
     """``params`` (always) and ``optimizer`` (ZeRO-1/2 engines) for one rank."""
     out = {"params": parameter_partition(engine)}
-    if engine.zero_optimization_stage() in (1, 2):
+    if getattr(engine, "zero_optimization_stage", lambda: None)() in (1, 2):
         out["optimizer"] = optimizer_partition(engine)
     return out

@@ -15,8 +15,12 @@ An accelerate recipe's ``main()``::
         run.micro_batch_done(loss, batch)              # logs, evaluates and saves on schedule
     run.finish(model, saved_to=...)                    # run_record.json, run_info.json, summary line
 
+The launch config picks the engine: DeepSpeed (the YAML names a DeepSpeed JSON) or, for the
+full fine-tune, PyTorch FSDP2 (``distributed_type: FSDP``; :mod:`finetune_kit.launch.fsdp`). The
+recipe's loop is the same for both; the differences live here (optimizer, checks, records).
+
 What it owns: the start-of-run checks (model config and sequence length, the launched
-DeepSpeed config and its batch sizes, the memory preflight, the resume decision); the
+DeepSpeed config and its batch sizes, or the FSDP settings, the memory preflight, the resume decision); the
 position in the data (epoch, batch in epoch, optimizer step; exact on resume); when to log
 (``--log-every``), evaluate (after each epoch, or once at the end) and save (``--save-every``
 and the last step); the metering (throughput clock paused while evaluating or saving); and the
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import checks, cuda_ops, env, nvme
+from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.models import loading as models
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
@@ -66,8 +70,8 @@ class TrainingRun:
     args: object  # the recipe's parsed arguments (common names: see training.arguments)
     output: Path
     model_config: object
-    ds_path: Path
-    ds_config: dict
+    ds_path: Path | None  # the launched DeepSpeed JSON; None under FSDP2
+    ds_config: dict  # its settings; {} under FSDP2
     memory_plan: memory.Plan
     resume_from: Path | None
     method: str = "full"  # "full" | "lora" | "qlora": picks the FLOP formula and labels the record
@@ -91,6 +95,7 @@ class TrainingRun:
     script_args: dict = field(default_factory=dict)  # what configures the run, for the record's config hash
     identity: dict = field(default_factory=dict)  # what a resumed checkpoint must share with this launch
     checkpoint_estimate: int = 0  # bytes of the first checkpoint, before one exists to measure
+    fsdp: fsdp.FsdpLaunch | None = None  # the FSDP2 settings, when the launch config selects FSDP
     _lr: float = 0.0  # the learning rate of the step in progress
     _epoch_done: bool = False
     _trainer: object = None  # the HF Trainer, when it runs the loop
@@ -107,15 +112,24 @@ class TrainingRun:
         flags of ``training.arguments.recipe_parser``; ``resume_must_match``: the recipe's settings
         a checkpoint must have been saved with (besides the model's architecture and the method)."""
         model_config = _checked_model_config(args.model, args.max_seq_len)
-        ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
-        checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
-                                 world=env.world_size(), source=str(ds_path))
-        plan = memory.preflight(model_config, ds_config, world_size=env.world_size(),
+        fsdp_launch = fsdp.read() if fsdp.launched() else None
+        if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
+            if method != "full" or zero_stage != 3:
+                raise ConfigError(f"{recipe} runs under DeepSpeed ZeRO-{zero_stage}; FSDP2 launch configs are "
+                                  f"supported for full fine-tuning with ZeRO-3's sharding. Launch with {launch}.")
+            fsdp.check(fsdp_launch, model_config=model_config, gradient_checkpointing=args.gradient_checkpointing)
+            ds_path, ds_config = None, {}
+        else:
+            ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
+            checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                                     world=env.world_size(), source=str(ds_path))
+        plan = memory.preflight(model_config, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
                                 micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
                                 gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
                                 adapter=adapter, skip=args.skip_memory_check)
-        cuda_ops.check(ds_config, quantized=method == "qlora")
-        nvme.check(ds_config, str(ds_path))
+        if fsdp_launch is None:
+            cuda_ops.check(ds_config, quantized=method == "qlora")
+            nvme.check(ds_config, str(ds_path))
         output = Path(args.output)
         checkpoints.check_writable(output)
         if env.is_main_rank():
@@ -123,7 +137,7 @@ class TrainingRun:
                 print(f"removed {path}: a checkpoint save that never completed (not resumable)")
         resume_from = checkpoints.resolve_resume(args.resume, output)
         identity = {"architecture": architecture(model_config), "method": method, "num_labels": num_labels,
-                    **(resume_must_match or {})}
+                    "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
         if resume_from is not None:
             checkpoints.check_same_run(resume_from, identity)
             _check_reshape(resume_from, args, zero_stage)
@@ -133,7 +147,7 @@ class TrainingRun:
             if problem:
                 raise ConfigError(f"{problem}; or pass --save-every 0 to train without checkpoints.")
         return cls(recipe, args, output, model_config, ds_path, ds_config, plan, resume_from, method=method,
-                   num_labels=num_labels, identity=identity, checkpoint_estimate=estimate,
+                   num_labels=num_labels, identity=identity, checkpoint_estimate=estimate, fsdp=fsdp_launch,
                    script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")})
 
     @classmethod
@@ -221,10 +235,11 @@ class TrainingRun:
         set_seed(self.args.seed)
         acc = self.accelerator
         self.stop = StopRequest(announce=acc.is_local_main_process).install()
-        if self._reshaping():  # another number of ranks than the checkpoint's: DeepSpeed's universal format
+        if self._reshaping() and self.fsdp is None:  # another number of ranks: DeepSpeed's universal format
             acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-        acc.print(f"world size {acc.num_processes}, device {acc.device}, "
-                  f"ZeRO stage {checks.zero_stage(self.ds_config)}, config {self.ds_path}")
+        engine = (f"ZeRO stage {checks.zero_stage(self.ds_config)}, config {self.ds_path}" if self.fsdp is None else
+                  "FSDP2 (full sharding; fp32 weights, bf16 compute, fp32 gradient reduction)")
+        acc.print(f"world size {acc.num_processes}, device {acc.device}, {engine}")
         return acc
 
     # ---- 3. the schedule ----
@@ -244,15 +259,30 @@ class TrainingRun:
 
     def optimizer_and_schedule(self, params):
         """The optimizer the DeepSpeed JSON names ("auto" values filled from --lr and
-        --weight-decay) and a cosine schedule with linear warm-up over ``total_steps``."""
+        --weight-decay) and a cosine schedule with linear warm-up over ``total_steps``. Under
+        FSDP2: torch's AdamW with the shipped ZeRO configs' betas and eps (``fsdp.ADAMW``)."""
+        import torch
         from accelerate.utils import DummyOptim, DummyScheduler
         from transformers import get_cosine_schedule_with_warmup
 
-        optimizer = DummyOptim(params, lr=self.args.lr, weight_decay=self.args.weight_decay)
         warmup = math.ceil(self.args.warmup_ratio * self.total_steps)
-        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: get_cosine_schedule_with_warmup(
-            opt, num_warmup_steps=warmup, num_training_steps=self.total_steps))
-        return optimizer, scheduler
+
+        def schedule(opt):
+            return get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=self.total_steps)
+
+        if self.fsdp is not None:
+            optimizer = torch.optim.AdamW(params, lr=self.args.lr, weight_decay=self.args.weight_decay, **fsdp.ADAMW)
+            return optimizer, schedule(optimizer)  # counted in optimizer steps: see batches()
+        optimizer = DummyOptim(params, lr=self.args.lr, weight_decay=self.args.weight_decay)
+        return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The gradient clipping norm: the DeepSpeed JSON's ``gradient_clipping`` (DeepSpeed clips
+        itself; ``accelerator.clip_grad_norm_`` then only returns the norm), or ``fsdp.MAX_GRAD_NORM``."""
+        if self.fsdp is not None:
+            return fsdp.MAX_GRAD_NORM
+        return float(self.ds_config.get("gradient_clipping", 0.0))
 
     def resume(self, **load_kwargs) -> None:
         """Restore model, optimizer, schedule, RNG and position from the checkpoint chosen at
@@ -260,7 +290,10 @@ class TrainingRun:
         if self.resume_from is None:
             return
         acc = self.accelerator
-        if self._reshaping():
+        if self._reshaping() and self.fsdp is not None:  # torch.distributed.checkpoint reshards on load
+            state = checkpoints.load_checkpoint(acc, self.resume_from, **load_kwargs)
+            state = checkpoints.reshaped_position(state, checkpoints.saved_world(self.resume_from), acc.num_processes)
+        elif self._reshaping():
             saved = checkpoints.saved_world(self.resume_from)
             if acc.is_main_process:
                 print(f"{self.resume_from} was saved by {_ranks(saved)}; converting it for {acc.num_processes} "
@@ -297,6 +330,11 @@ class TrainingRun:
                                  initial_step=self.position.step, grad_accum=self.args.grad_accum,
                                  log_every=self.args.log_every)
         self.meter = self.report.meter
+        if self.fsdp is not None:
+            # accelerate steps a prepared schedule once per rank at each optimizer step (it assumes one
+            # written for a single process); DeepSpeed steps its own once. Once, as under DeepSpeed: the
+            # schedule's state is then in optimizer steps, and resumes on any number of ranks.
+            scheduler.split_batches = True
         self._epoch_done = False
         pos = self.position
         while pos.step < self.total_steps:
@@ -424,7 +462,8 @@ class TrainingRun:
             final = self.evals[-1] if self.evals else {}
             run_record = record.for_training_run(
                 recipe=self.recipe, model_name=args.model, arch=from_config(self.model_config),
-                flop_counter=self.flop_counter, params_trainable=self.params_trainable, ds_config=self.ds_config,
+                flop_counter=self.flop_counter, params_trainable=self.params_trainable,
+                ds_config=self.ds_config if self.fsdp is None else self.fsdp.as_dict(), engine=self.engine,
                 script_args=self.script_args, world=acc.num_processes, nodes=env.num_nodes(), meter=self.meter,
                 warmup_steps=args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
                 predicted_gpu_GiB=self.memory_plan.gpu_bytes / 2**30,
@@ -435,8 +474,9 @@ class TrainingRun:
             run_record.write(self.output / "run_record.json")
             record.RunInfo(
                 recipe=self.recipe, model=args.model, world_size=acc.num_processes, nodes=env.num_nodes(),
-                zero_stage=model.zero_optimization_stage(), precision=_precision(model),
-                deepspeed_config=str(self.ds_path), steps=self.position.step, total_steps=self.total_steps,
+                engine=self.engine, zero_stage=3 if self.fsdp else model.zero_optimization_stage(),
+                precision=self.fsdp.mixed_precision if self.fsdp else _precision(model),
+                deepspeed_config=str(self.ds_path or ""), steps=self.position.step, total_steps=self.total_steps,
                 resumed_from=str(self.resume_from or ""), eval_loss=final.get("eval_loss"),
                 eval_accuracy=final.get("eval_accuracy"), evals=self.evals,
                 train_examples=self.train_examples, eval_example_ids=self.eval_example_ids,
@@ -453,6 +493,11 @@ class TrainingRun:
         # down its gloo connections while another still writes can die at exit with SIGABRT.
         acc.wait_for_everyone()
         acc.end_training()
+
+    @property
+    def engine(self) -> str:
+        """``"deepspeed"`` or ``"fsdp2"``: what shards the model in this run."""
+        return "deepspeed" if self.fsdp is None else fsdp.ENGINE
 
     def record_split(self, train_set, eval_set, counts=None) -> None:
         """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns),
