@@ -39,6 +39,7 @@ from tests.harness import (
     assert_resumed_like_uninterrupted,
     assert_throughput_metrics,
     bad_input_args,
+    free_port,
     launch_env,
     losses,
     read_metrics,
@@ -255,10 +256,18 @@ def test_fsdp2_checkpoint_resumes_exactly(nproc, fsdp_run, recipe_copy, tiny_lla
     assert [m["lr"] for m in read_metrics(output)] == pytest.approx([m["lr"] for m in read_metrics(fsdp_run)][4:])
 
 
-def test_fsdp2_refuses_a_resume_of_a_deepspeed_checkpoint(run, recipe_copy, tiny_llama3, tmp_path):
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "other"), "--max-steps", str(STEPS),
-                  "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), config=FSDP_CONFIG)
-    assert_failed_early(proc, "belongs to a different run: engine 'deepspeed' in the checkpoint, 'fsdp2' now")
+def test_fsdp2_refuses_a_resume_of_a_deepspeed_checkpoint(run, recipe_main, tiny_llama3, tmp_path, monkeypatch):
+    from finetune_kit.errors import UserInputError
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what configs/fsdp2.yaml exports
+    for key, value in {"FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
+                       "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                       "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserInputError, match="belongs to a different run: engine 'deepspeed' in the checkpoint, "
+                                             "'fsdp2' now"):
+        recipe_main([*sizes(tiny_llama3), "--output", str(tmp_path / "other"),
+                     "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}")])
 
 
 @pytest.fixture(scope="module")
@@ -296,14 +305,22 @@ def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
     assert info["train_examples"] < rec.data.examples  # several conversations per packed row
 
 
-@pytest.mark.parametrize("sample", ["sharegpt", "alpaca", "prompt_completion"])
-def test_every_format_trains(sample, recipe_copy, tiny_llama3, tmp_path):
-    """One optimizer step on one process per remaining format (messages and prompt/response run above)."""
-    proc = launch(recipe_copy, "--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"),
-                  "--max-seq-len", "128", "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
-                  "--save-every", "0", "--eval-fraction", "0", "--output", str(tmp_path / "out"), nproc=1)
-    assert_finished(proc, 1, sample)
-    assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in proc.stdout
+def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
+    """One optimizer step on one process per remaining format (messages and prompt/response run above);
+    the three single-process launches run side by side (most of each is interpreter start-up)."""
+    samples = ["sharegpt", "alpaca", "prompt_completion"]
+    procs = {sample: subprocess.Popen(
+        accelerate_command("--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"),
+                           "--max-seq-len", "128", "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
+                           "--save-every", "0", "--eval-fraction", "0", "--output", str(tmp_path / sample),
+                           config="configs/zero3.yaml", nproc=1,
+                           launcher_args=("--main_process_port", str(free_port()))),
+        cwd=recipe_copy, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for sample in samples}
+    for sample, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert_finished(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), 1, sample)
+        assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in stdout
 
 
 def test_relaunching_the_same_command_resumes_past_an_interrupted_save(run, recipe_copy, tiny_llama3, tmp_path):
