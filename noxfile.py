@@ -5,6 +5,7 @@
     nox -s demo                     # the 8B recipe on the tiny model, for a first look
     nox -s results                  # regenerate results/README.md and results/throughput.png
     nox -s image                    # build the images with podman and train in the 8B one
+    nox -s recipe-llama3-8b-nvme    # ZeRO-Infinity to a temporary folder (compiles DeepSpeed's async_io first)
     nox -s lock                     # regenerate the hash locks from the pins (make lock)
 
 The sessions that train (unit, every recipe, demo) share one environment, ``.nox/stack``: the
@@ -91,6 +92,14 @@ def recipe_session(name: str, what: str) -> None:
 
 for _name, _what in RECIPE_SESSIONS.items():
     recipe_session(_name, _what)
+
+
+@nox.session(name="recipe-llama3-8b-nvme", venv_backend="none", default=False)
+def recipe_llama3_8b_nvme(session: nox.Session) -> None:
+    """The 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*), 2 CPU processes: trains through NVMe swap
+    files and resumes exactly. Not in the default sessions: DeepSpeed's async_io op compiles at its
+    first use here (minutes); installs libaio if missing."""
+    run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_nvme.py", *session.posargs)
 
 
 @nox.session(name="gpu-check-cpu", venv_backend="none")

@@ -498,6 +498,23 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     assert not (tmp_path / "out").exists()
 
 
+def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llama3, tmp_path, monkeypatch):
+    """A 2-rank checkpoint resumed by 1 rank with the NVMe config (its swap files are per rank)."""
+    from finetune_kit.errors import UserInputError
+    from tests.harness import ensure_debian_packages
+
+    ensure_debian_packages("libaio-dev", present="/usr/include/libaio.h")  # the NVMe preflight needs libaio
+    config = json.loads((RECIPE / "configs/zero3-nvme.json").read_text())
+    for section in ("offload_optimizer", "offload_param"):
+        config["zero_optimization"][section]["nvme_path"] = str(tmp_path)
+    (tmp_path / "nvme.json").write_text(json.dumps(config))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "nvme.json"))
+    with pytest.raises(UserInputError, match=r"was saved by 2 ranks, this launch has 1: a run that offloads to NVMe "
+                                             r"resumes on the same number of ranks"):
+        recipe_main([*sizes(tiny_llama3), "--grad-accum", "4", "--output", str(tmp_path / "out"),
+                     "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}")])
+
+
 def test_resuming_with_another_model_is_refused(run, recipe_main, tiny_llama2, tmp_path):
     from finetune_kit.errors import UserInputError
 

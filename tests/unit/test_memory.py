@@ -302,3 +302,26 @@ def test_preflight_reads_the_zero2_trainer_and_qlora_cases():
                          micro_batch=1, seq_len=4096, gradient_checkpointing=True, adapter=Adapter(rank=16),
                          num_labels=3, gpu_memory_GiB=80)
     assert q.setup.nodes == 2 and q.fits
+
+
+def test_zero_infinity_puts_the_offloaded_states_on_disk_and_pinned_buffers_in_host_memory():
+    """The 8B recipe's NVMe config on one GPU: 16 bytes/parameter of optimizer swap files and 2 of
+    weight swap files on disk; in host memory only DeepSpeed's pinned buffers (4 optimizer buffers of
+    one 1e9-element sub-group in fp32, 5 parameter buffers of 6e8 bf16 elements)."""
+    import json
+
+    from tests.harness import REPO
+
+    ds = json.loads((REPO / "recipes/llama3-8b-zero3/configs/zero3-nvme.json").read_text())
+    setup = memory.setup_from_deepspeed(ds, gpus_per_node=1, micro_batch=4, seq_len=2048)
+    assert setup.nvme and setup.offload_optimizer and setup.offload_param
+    p = plan("llama3-8b", setup)
+    psi = p.total_params
+    assert p.disk_bytes == 16 * psi + 2 * psi
+    assert p.host_parts == {"optimizer swap buffers (pinned)": 4 * 10**9 * 4,
+                            "parameter swap buffers (pinned)": 5 * 6 * 10**8 * 2}
+    cpu = plan("llama3-8b", Setup(gpus_per_node=1, offload_optimizer=True, offload_param=True, micro_batch=4,
+                                  seq_len=2048))
+    assert p.gpu_parts == cpu.gpu_parts  # the GPU does not see where the offloaded states live
+    assert not cpu.disk_parts and cpu.host_bytes > 6 * p.host_bytes
+    assert p.to_dict()["disk_GiB_per_node"]["bf16 weights (swap files)"] == pytest.approx(2 * psi / GiB, abs=1e-3)

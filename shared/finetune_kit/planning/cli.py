@@ -56,6 +56,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def describe_setup(s: Setup) -> str:
     offload = [w for w, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param)) if on]
+    offload = [f"{w} to NVMe" if s.nvme else w for w in offload]
     method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
     sharding = "FSDP2 (full sharding)" if s.engine == "fsdp2" else f"ZeRO-{s.stage}"
     return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), {sharding}, offload: {', '.join(offload) or 'none'}, "
@@ -75,6 +76,9 @@ def render_plan(p: Plan, flags: dict | None = None) -> str:
     cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:g}"
     rows.append(["total", gib(p.gpu_bytes) + gpu_cap, gib(p.host_bytes) + cpu_cap])
     out = head + text_table(["part", "per GPU (GiB)", "host per node (GiB)"], rows) + f"\n\nverdict: {p.verdict()}"
+    if p.disk_parts:
+        out += "\nNVMe disk per node: " + ", ".join(f"{n} {gib(v)} GiB" for n, v in p.disk_parts.items()) + \
+               f" (total {gib(p.disk_bytes)} GiB)"
     if p.fits is False:
         fix = suggest(p.model, s, flags)
         out += f"\nsuggestion: {fix}" if fix else "\nsuggestion: nothing tried fits (smaller model or larger GPUs)"
@@ -119,6 +123,8 @@ def recipe_table(recipe_dir: Path) -> str:
             verdict = "does not fit" + (f"; fix: {'; '.join(fix.changes)} ({gib(fix.plan.gpu_bytes)} GiB/GPU, "
                                         f"{gib(fix.plan.host_bytes)} GiB host)" if fix else "")
         cpu = gib(p.host_bytes) + (f" of {s.host_memory_GiB:g}" if s.host_memory_GiB is not None else "")
+        if p.disk_parts:
+            cpu += f" (+ {gib(p.disk_bytes)} on NVMe)"
         rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
                      f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
                      gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),

@@ -13,6 +13,8 @@ Everything is arithmetic on the model's ``config.json`` (no weights, no torch, n
 * **FSDP2** (full fine-tuning, full sharding, fp32 sharded weights cast to bf16 for compute,
   fp32 gradient reduction): 16 bytes per parameter split over all GPUs, plus the working set of
   the units being gathered; see :func:`fsdp2_model_states`.
+* **ZeRO-Infinity** (offload to NVMe): the offloaded states go to swap files on the disk instead of
+  host memory, which holds DeepSpeed's pinned swap buffers instead; see :func:`nvme_parts`.
 * **LoRA / QLoRA**: frozen base weights (bf16, or nf4 with its quantisation constants), the
   bf16 layers bitsandbytes does not quantise (embeddings, norms, head), LoRA weights with full
   Adam states; see :func:`adapter_model_states`.
@@ -136,6 +138,33 @@ def fsdp2_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None =
         "one unit's unsharded gradients (bf16 + fp32)": (0, (BF16 + FP32) * unit),
         "full fp32 state dict on rank 0 while loading": (FP32 * psi, 0),
     }
+
+
+# DeepSpeed's swap buffers for ZeRO-Infinity: the optimizer swapper's pinned buffers (its default
+# buffer_count, each the size of the largest optimizer sub-group), and the parameter buffers that
+# launch.deepspeed_config writes (buffer_count x buffer_size bf16 elements).
+OPTIMIZER_SWAP_BUFFERS, SUB_GROUP_SIZE = 4, 1e9
+PARAM_SWAP_BUFFERS, PARAM_BUFFER_SIZE = 5, 6e8
+
+
+def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
+    """({part: host bytes per node}, {part: disk bytes per node}) of ZeRO-3 offloading to NVMe.
+
+    On the disk, each rank swaps its partition: fp32 weights, Adam's two moments and the fp32
+    gradients (16 bytes per parameter) with the optimizer, and the bf16 weights (2) with the
+    parameters. In host memory, instead of those states: the pinned swap buffers of every rank on
+    the node (the optimizer's: 4 x one sub-group in fp32; the parameters': 5 x 6e8 bf16 elements).
+    """
+    share = total_params / s.nodes  # what one node's ranks hold between them
+    host, disk = {}, {}
+    if s.offload_optimizer:
+        sub_group = min(SUB_GROUP_SIZE, total_params / s.gpus)
+        host["optimizer swap buffers (pinned)"] = int(OPTIMIZER_SWAP_BUFFERS * sub_group * FP32 * s.gpus_per_node)
+        disk["fp32 weights + Adam + fp32 gradients (swap files)"] = int((FP32 + 2 * FP32 + FP32) * share)
+    if s.offload_param:
+        host["parameter swap buffers (pinned)"] = int(PARAM_SWAP_BUFFERS * PARAM_BUFFER_SIZE * BF16 * s.gpus_per_node)
+        disk["bf16 weights (swap files)"] = int(BF16 * share)
+    return host, disk
 
 
 @dataclass(frozen=True)
@@ -263,6 +292,7 @@ class Setup:
     adapter: Adapter | None = None
     num_labels: int | None = None  # sequence classification head instead of the LM head
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
+    nvme: bool = False  # the offloads above go to an NVMe disk (ZeRO-Infinity) instead of host memory
 
     @property
     def gpus(self) -> int:
@@ -283,6 +313,7 @@ class Plan:
     setup: Setup
     gpu_parts: dict[str, int] = field(default_factory=dict)  # bytes per GPU
     host_parts: dict[str, int] = field(default_factory=dict)  # bytes per node
+    disk_parts: dict[str, int] = field(default_factory=dict)  # bytes per node, on the NVMe disk (ZeRO-Infinity)
     total_params: int = 0
     trainable_params: int = 0
 
@@ -302,6 +333,10 @@ class Plan:
     @property
     def host_bytes(self) -> int:
         return sum(self.host_parts.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.disk_parts.values())
 
     @property
     def gpu_headroom_GiB(self) -> float | None:
@@ -346,7 +381,8 @@ class Plan:
         return {"model": self.model.name, "setup": setup, "total_params": self.total_params,
                 "trainable_params": self.trainable_params, "gpu_GiB": gib(self.gpu_parts),
                 "gpu_total_GiB": round(self.gpu_bytes / GiB, 3), "host_GiB_per_node": gib(self.host_parts),
-                "host_total_GiB_per_node": round(self.host_bytes / GiB, 3), "fits": self.fits,
+                "host_total_GiB_per_node": round(self.host_bytes / GiB, 3),
+                "disk_GiB_per_node": gib(self.disk_parts), "fits": self.fits,
                 "verdict": self.verdict()}
 
 
@@ -375,7 +411,12 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             gpus_per_node=s.gpus_per_node, nodes=s.nodes, offload_optimizer=s.offload_optimizer,
             offload_param=s.offload_param, zero_init=s.zero_init, additional_buffer_factor=additional_buffer_factor)
         result.gpu_parts["model states (DeepSpeed estimate)"] = gpu
-        result.host_parts["model states (DeepSpeed estimate)"] = cpu
+        if s.nvme and (s.offload_optimizer or s.offload_param):
+            host, disk = nvme_parts(result.total_params, s)
+            result.host_parts.update(host)
+            result.disk_parts.update(disk)
+        else:
+            result.host_parts["model states (DeepSpeed estimate)"] = cpu
     else:
         result.trainable_params = shape.lora_params(s.adapter.rank, s.adapter.targets) + (
             shape.head_params(s.num_labels) if s.num_labels else 0)
@@ -506,8 +547,10 @@ def _device(section) -> bool:
 def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
     """A Setup with stage and offload read from a DeepSpeed JSON dict; other fields as given."""
     zero = ds_config.get("zero_optimization", {}) or {}
+    nvme = any(str((zero.get(k) or {}).get("device", "")).lower() == "nvme"
+               for k in ("offload_optimizer", "offload_param"))
     return Setup(stage=int(zero.get("stage", 0)), offload_optimizer=_device(zero.get("offload_optimizer")),
-                 offload_param=_device(zero.get("offload_param")), **fields)
+                 offload_param=_device(zero.get("offload_param")), nvme=nvme, **fields)
 
 
 def setup_for_fsdp2(**fields) -> Setup:

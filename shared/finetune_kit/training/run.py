@@ -141,6 +141,11 @@ class TrainingRun:
         if resume_from is not None:
             checkpoints.check_same_run(resume_from, identity)
             _check_reshape(resume_from, args, zero_stage)
+            saved = checkpoints.saved_world(resume_from)
+            if nvme.nvme_paths(ds_config) and saved and saved != env.world_size():
+                raise ConfigError(f"checkpoint '{resume_from}' was saved by {_ranks(saved)}, this launch has "
+                                  f"{env.world_size()}: a run that offloads to NVMe resumes on the same number of "
+                                  f"ranks (its swap files are per rank). Launch {_ranks(saved)}.")
         estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, zero_stage)
         if args.save_every:
             problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate))
@@ -305,6 +310,8 @@ class TrainingRun:
             state = checkpoints.reshaped_position(checkpoints.read_state(self.resume_from), saved, acc.num_processes)
         else:
             state = checkpoints.load_checkpoint(acc, self.resume_from, **load_kwargs)
+            if "offload_optimizer" in nvme.nvme_paths(self.ds_config):  # what DeepSpeed's NVMe load leaves out
+                checkpoints.restore_nvme_optimizer(acc.deepspeed_engine_wrapped.engine, self.resume_from)
         self.position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
         acc.print(f"resumed from {self.resume_from} at step {self.position.step}")
 
