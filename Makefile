@@ -88,10 +88,11 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
+recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml]
 	$(call need_gpus,recipe-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
-	@if [ "$(NUM_GPUS)" = "1" ]; then cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
+	@if [ -n "$(LAUNCH_CONFIG)" ]; then cfg=$(LAUNCH_CONFIG); elif [ "$(NUM_GPUS)" = "1" ]; then \
+	  cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
 	$(call in_recipe,$(RECIPE_8B)) set -x && $(call in_container,llama3-8b-zero3,$(MODEL),$(DATA),$(OUTPUT)) \
 	  accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
