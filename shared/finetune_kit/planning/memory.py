@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env
+from finetune_kit.launch.nvme import nvme_paths
 from finetune_kit.models.shapes import ModelShape, resolve_model
 
 GiB = 2**30
@@ -144,7 +145,12 @@ def fsdp2_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None =
 # buffer_count, each the size of the largest optimizer sub-group), and the parameter buffers that
 # launch.deepspeed_config writes (buffer_count x buffer_size bf16 elements).
 OPTIMIZER_SWAP_BUFFERS, SUB_GROUP_SIZE = 4, 1e9
-PARAM_SWAP_BUFFERS, PARAM_BUFFER_SIZE = 5, 6e8
+
+
+def _param_swap_buffers() -> tuple[int, float]:
+    from finetune_kit.launch.deepspeed_config import DeepSpeedSetup
+
+    return DeepSpeedSetup.model_fields["nvme_param_buffers"].default
 
 
 def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:
@@ -162,7 +168,8 @@ def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, i
         host["optimizer swap buffers (pinned)"] = int(OPTIMIZER_SWAP_BUFFERS * sub_group * FP32 * s.gpus_per_node)
         disk["fp32 weights + Adam + fp32 gradients (swap files)"] = int((FP32 + 2 * FP32 + FP32) * share)
     if s.offload_param:
-        host["parameter swap buffers (pinned)"] = int(PARAM_SWAP_BUFFERS * PARAM_BUFFER_SIZE * BF16 * s.gpus_per_node)
+        count, size = _param_swap_buffers()
+        host["parameter swap buffers (pinned)"] = int(count * size * BF16 * s.gpus_per_node)
         disk["bf16 weights (swap files)"] = int(BF16 * share)
     return host, disk
 
@@ -547,10 +554,8 @@ def _device(section) -> bool:
 def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
     """A Setup with stage and offload read from a DeepSpeed JSON dict; other fields as given."""
     zero = ds_config.get("zero_optimization", {}) or {}
-    nvme = any(str((zero.get(k) or {}).get("device", "")).lower() == "nvme"
-               for k in ("offload_optimizer", "offload_param"))
     return Setup(stage=int(zero.get("stage", 0)), offload_optimizer=_device(zero.get("offload_optimizer")),
-                 offload_param=_device(zero.get("offload_param")), nvme=nvme, **fields)
+                 offload_param=_device(zero.get("offload_param")), nvme=bool(nvme_paths(ds_config)), **fields)
 
 
 def setup_for_fsdp2(**fields) -> Setup:

@@ -140,12 +140,7 @@ class TrainingRun:
                     "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
         if resume_from is not None:
             checkpoints.check_same_run(resume_from, identity)
-            _check_reshape(resume_from, args, zero_stage)
-            saved = checkpoints.saved_world(resume_from)
-            if nvme.nvme_paths(ds_config) and saved and saved != env.world_size():
-                raise ConfigError(f"checkpoint '{resume_from}' was saved by {_ranks(saved)}, this launch has "
-                                  f"{env.world_size()}: a run that offloads to NVMe resumes on the same number of "
-                                  f"ranks (its swap files are per rank). Launch {_ranks(saved)}.")
+            _check_reshape(resume_from, args, zero_stage, ds_config)
         estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, zero_stage)
         if args.save_every:
             problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate))
@@ -518,12 +513,17 @@ class TrainingRun:
 
 # ---- helpers ----
 
-def _check_reshape(checkpoint: Path, args, zero_stage: int) -> None:
-    """A checkpoint of another number of ranks resumes exactly only with the same global batch."""
+def _check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | None = None) -> None:
+    """A checkpoint of another number of ranks resumes exactly only with the same global batch, and
+    not at all when it offloads to NVMe (its swap files are per rank)."""
     state = checkpoints.read_state(checkpoint)
     saved, world = state.get("world_size"), env.world_size()
     if not saved or saved == world:
         return
+    if nvme.nvme_paths(ds_config or {}):
+        raise ConfigError(f"checkpoint '{checkpoint}' was saved by {_ranks(saved)}, this launch has {world}: "
+                          "a run that offloads to NVMe resumes on the same number of ranks (its swap files are "
+                          f"per rank). Launch {_ranks(saved)}.")
     if zero_stage != 3:
         raise ConfigError(f"checkpoint '{checkpoint}' was saved by {_ranks(saved)}, this launch has {world}: "
                           f"resuming on another number of ranks is supported under ZeRO-3. Launch {_ranks(saved)}.")
