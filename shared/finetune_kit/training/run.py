@@ -130,6 +130,7 @@ class TrainingRun:
         if fsdp_launch is None:
             cuda_ops.check(ds_config, quantized=method == "qlora")
             nvme.check(ds_config, str(ds_path))
+            nvme.check_param_buffers(ds_config, model_config, env.world_size(), str(ds_path))
         output = Path(args.output)
         checkpoints.check_writable(output)
         if env.is_main_rank():
