@@ -18,9 +18,10 @@ Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists: 
 ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
 safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
-MFU, memory; also TensorBoard when installed), run_record.json (throughput medians, peak
+MFU, memory; also to TensorBoard, W&B or MLflow with --report-to), run_record.json (throughput medians, peak
 memory, hardware and library versions: what results/ collects), run_info.json (data split,
-per-rank shards, validation, the memory plan).
+per-rank shards, validation, the memory plan). FINETUNE_METRICS_PORT=9450 in the environment
+serves live Prometheus metrics from every rank (port 9450 + local rank).
 """
 
 from __future__ import annotations

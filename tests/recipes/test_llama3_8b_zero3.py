@@ -67,11 +67,26 @@ def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int
 
 
 @pytest.fixture(scope="module")
-def run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
+def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     output = tmp_path_factory.mktemp("runs") / "fresh"
-    assert_finished(launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                           "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0"), STEPS)
-    return output
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    assert_finished(proc, STEPS)
+    return proc, output
+
+
+@pytest.fixture(scope="module")
+def run(fresh_launch) -> Path:
+    return fresh_launch[1]
+
+
+def test_by_default_no_metrics_endpoint_and_no_tracker(fresh_launch):
+    """Without FINETUNE_METRICS_PORT no port opens (no endpoint is announced); --report-to none writes
+    no tracker files (tests/recipes/test_live_metrics.py runs both on)."""
+    proc, output = fresh_launch
+    assert "FINETUNE_METRICS_PORT" not in launch_env()
+    assert "metrics endpoint" not in proc.stdout + proc.stderr
+    assert not (output / "tensorboard").exists()
 
 
 @pytest.fixture(scope="module")

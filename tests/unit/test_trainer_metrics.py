@@ -78,3 +78,32 @@ def test_fp16_runs_log_the_loss_scale_and_the_skipped_steps(monkeypatch, tmp_pat
     assert (rec["loss_scale"], rec["skipped_steps"]) == (32768.0, 1)
     trainer.model_wrapped = SimpleNamespace(fp16_enabled=lambda: False)  # bf16: nothing to report
     assert keys.loss_scaling(trainer.model_wrapped) == {}
+
+
+class FakeEndpoint:
+    def __init__(self):
+        self.records, self.tokens = [], 0
+
+    def update(self, record):
+        self.records.append(dict(record))
+
+    def rank_tokens(self, n):
+        self.tokens += n
+
+
+def test_trackers_get_every_figure_and_the_endpoint_every_step(monkeypatch, tmp_path):
+    trainer, _ = fake_trainer(monkeypatch, tmp_path)
+    endpoint = FakeEndpoint()
+    cb = MeteringCallback(trainer, MetricsLog(tmp_path, enabled=True), endpoint)
+    args = SimpleNamespace(report_to=["tensorboard"])
+    trainer.tally.add({"attention_mask": torch.tensor([[1, 1, 1, 0]])})
+    cb.on_step_end(args, state(1), None)
+    logs = {"loss": 2.5, "learning_rate": 1e-4}
+    cb.on_log(args, state(1), None, logs=logs)
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text())
+    # the Trainer's report_to callbacks see metrics.jsonl's names and values (step and epoch are theirs)
+    assert {k: v for k, v in logs.items() if k != "learning_rate"} == {k: v for k, v in rec.items()
+                                                                       if k not in ("step", "epoch")}
+    assert endpoint.tokens == 3  # this rank's real tokens, before the reduce over ranks
+    assert endpoint.records[0]["step"] == 1 and endpoint.records[0]["tokens_per_s"] == rec["tokens_per_s"]
+    assert endpoint.records[-1]["loss"] == 2.5  # the logged step reaches it too

@@ -1,7 +1,8 @@
-"""Per-step metrics: one JSON line each in ``metrics.jsonl``, and TensorBoard when installed.
+"""Per-step metrics: one JSON line each in ``metrics.jsonl``, and the experiment trackers when asked.
 
 Only the main process writes. Keys carry their units (``tokens_per_s``, ``step_time_s``,
-``gpu_reserved_GiB``); TensorBoard gets every numeric key as a scalar at the step.
+``gpu_reserved_GiB``); the trackers opened by ``--report-to`` (:mod:`finetune_kit.metering.trackers`,
+through accelerate's ``accelerator.log``) get every numeric key under the same name at the step.
 """
 
 from __future__ import annotations
@@ -10,19 +11,11 @@ import json
 from pathlib import Path
 
 
-def _summary_writer(log_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional; metrics.jsonl always has everything
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
 class MetricsLog:
-    def __init__(self, output: Path, enabled: bool = True):
+    def __init__(self, output: Path, enabled: bool = True, accelerator=None):
         self.path = Path(output) / "metrics.jsonl"
         self.enabled = enabled
-        self.tensorboard = _summary_writer(Path(output) / "tensorboard") if enabled else None
+        self.accelerator = accelerator  # its trackers, when it has any
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -30,12 +23,9 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self.tensorboard.add_scalar(key, value, global_step=record["step"])
-            self.tensorboard.flush()
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)},
+                                 step=record["step"])
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Nothing to close: the trackers end with the run (``accelerator.end_training()``)."""

@@ -9,7 +9,9 @@
 Per step: the loss averaged over micro-batches and ranks, real tokens / padding / model FLOPs
 summed over ranks (:class:`StepTally`) and turned into rates (:class:`ThroughputMeter`, kept
 whole in ``report.meter`` for the run record); every ``log_every`` steps a ``metrics.jsonl``
-line (:class:`MetricsLog`) and the progress bar's figures. Keys: :mod:`finetune_kit.metering.keys`.
+line (:class:`MetricsLog`, and the trackers of ``--report-to``) and the progress bar's figures;
+every step, when the run has one, the rank's Prometheus endpoint
+(:class:`~finetune_kit.metering.prometheus.MetricsEndpoint`). Keys: :mod:`finetune_kit.metering.keys`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 
 class StepReport:
     def __init__(self, accelerator, flop_counter: FlopCounter, output: Path, *, total_steps: int,
-                 initial_step: int, grad_accum: int, log_every: int):
+                 initial_step: int, grad_accum: int, log_every: int, endpoint=None):
         self.accelerator = accelerator
+        self.endpoint = endpoint
         self.tally = StepTally(flop_counter)
         self.meter = ThroughputMeter(accelerator.num_processes, peak_tflops=peak_tflops(device_name()))
-        self.log = MetricsLog(output, enabled=accelerator.is_main_process)
+        self.log = MetricsLog(output, enabled=accelerator.is_main_process, accelerator=accelerator)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step",
                         disable=not accelerator.is_local_main_process)
         self.total_steps, self.grad_accum, self.log_every = total_steps, grad_accum, log_every
@@ -46,9 +49,13 @@ class StepReport:
         acc = self.accelerator
         loss = acc.reduce(self._loss.to(acc.device), "mean").item()
         self._loss.zero_()
+        own_tokens = self.tally.tokens
         rate = self.meter.step(**self.tally.reduce(acc))
         record = {keys.STEP.key: step, keys.EPOCH.key: epoch, keys.LOSS.key: loss, keys.LR.key: lr,
                   **rate.as_metrics(), **memory.peaks()}
+        if self.endpoint is not None:
+            self.endpoint.update(record)
+            self.endpoint.rank_tokens(own_tokens)
         if step % self.log_every == 0 or step == self.total_steps:
             self.log.write(record)
             self.bar.set_postfix_str(keys.progress_text(record))

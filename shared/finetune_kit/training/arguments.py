@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from finetune_kit.metering import trackers
+
 
 def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int, lr: float, epochs: int,
                   eval_fraction: float, examples: str = "sequences",
@@ -37,6 +39,8 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
                         "if there is none (never over a finished run); latest: the newest, also after a finished "
                         "run; or a checkpoint folder")
     p.add_argument("--log-every", type=int, default=1, help="optimizer steps between log lines")
+    p.add_argument("--report-to", default="none", choices=trackers.CHOICES,
+                   help="experiment tracker for the metrics.jsonl figures (install its package); none sends nothing")
     p.add_argument("--meter-warmup-steps", type=int, default=3,
                    help="first optimizer steps left out of the run record's throughput medians")
     p.add_argument("--seed", type=int, default=42)

@@ -23,7 +23,8 @@ What it owns: the start-of-run checks (model config and sequence length, the lau
 DeepSpeed config and its batch sizes, or the FSDP settings, the memory preflight, the resume decision); the
 position in the data (epoch, batch in epoch, optimizer step; exact on resume); when to log
 (``--log-every``), evaluate (after each epoch, or once at the end) and save (``--save-every``
-and the last step); the metering (throughput clock paused while evaluating or saving); and the
+and the last step); the metering (throughput clock paused while evaluating or saving), the trackers
+of ``--report-to`` and the rank's Prometheus endpoint (``FINETUNE_METRICS_PORT``); and the
 end of the run: one ``run_info.json`` schema (:class:`~finetune_kit.results.record.RunInfo`), the
 run record, and the summary line. The HF Trainer recipe uses the same preflight and ending
 (:meth:`TrainingRun.preflight_trainer`, :meth:`metered_trainer`).
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
+from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import loading as models
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
@@ -96,6 +98,7 @@ class TrainingRun:
     identity: dict = field(default_factory=dict)  # what a resumed checkpoint must share with this launch
     checkpoint_estimate: int = 0  # bytes of the first checkpoint, before one exists to measure
     fsdp: fsdp.FsdpLaunch | None = None  # the FSDP2 settings, when the launch config selects FSDP
+    endpoint: prometheus.MetricsEndpoint | None = None  # this rank's /metrics, when FINETUNE_METRICS_PORT is set
     _lr: float = 0.0  # the learning rate of the step in progress
     _epoch_done: bool = False
     _trainer: object = None  # the HF Trainer, when it runs the loop
@@ -131,6 +134,8 @@ class TrainingRun:
             cuda_ops.check(ds_config, quantized=method == "qlora")
             nvme.check(ds_config, str(ds_path))
             nvme.check_param_buffers(ds_config, model_config, env.world_size(), str(ds_path))
+        prometheus.requested_port()
+        trackers.check(args.report_to)
         output = Path(args.output)
         checkpoints.check_writable(output)
         if env.is_main_rank():
@@ -149,7 +154,7 @@ class TrainingRun:
                 raise ConfigError(f"{problem}; or pass --save-every 0 to train without checkpoints.")
         return cls(recipe, args, output, model_config, ds_path, ds_config, plan, resume_from, method=method,
                    num_labels=num_labels, identity=identity, checkpoint_estimate=estimate, fsdp=fsdp_launch,
-                   script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume")})
+                   script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
     @classmethod
     def preflight_trainer(cls, recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int,
@@ -175,6 +180,8 @@ class TrainingRun:
             skip_flag="--skip_memory_check", flags=TRAINER_FLAGS)
         cuda_ops.check(ds_config)
         nvme.check(ds_config, str(ds_path))
+        prometheus.requested_port()
+        trackers.check(trainer_kwargs.get("report_to"), flag="--report_to")
         output = Path(trainer_kwargs["output_dir"])
         checkpoints.check_writable(output)
         if env.is_main_rank():
@@ -203,7 +210,7 @@ class TrainingRun:
             if problem:
                 raise ConfigError(f"{problem}; or pass --save_strategy no to train without checkpoints.")
         script_args = {**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
-                                               if k not in ("output_dir", "resume_from_checkpoint")}}
+                                               if k not in ("output_dir", "resume_from_checkpoint", "report_to")}}
         return cls(recipe, recipe_args, output, model_config, Path(ds_path), ds_config, plan, resume_from,
                    script_args=script_args, checkpoint_estimate=estimate)
 
@@ -232,9 +239,12 @@ class TrainingRun:
 
         self.accelerator = make_accelerator(
             gradient_accumulation_steps=self.args.grad_accum,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **accelerator_kwargs)
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            **trackers.accelerator_kwargs(self.args.report_to, self.output), **accelerator_kwargs)
         set_seed(self.args.seed)
         acc = self.accelerator
+        trackers.start(acc, self.recipe, self.script_args)
+        self.endpoint = prometheus.open_endpoint(self.recipe)
         self.stop = StopRequest(announce=acc.is_local_main_process).install()
         if self._reshaping() and self.fsdp is None:  # another number of ranks: DeepSpeed's universal format
             acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -331,7 +341,7 @@ class TrainingRun:
                                         self.num_labels is not None)
         self.report = StepReport(self.accelerator, self.flop_counter, self.output, total_steps=self.total_steps,
                                  initial_step=self.position.step, grad_accum=self.args.grad_accum,
-                                 log_every=self.args.log_every)
+                                 log_every=self.args.log_every, endpoint=self.endpoint)
         self.meter = self.report.meter
         if self.fsdp is not None:
             # accelerate steps a prepared schedule once per rank at each optimizer step (it assumes one
@@ -392,6 +402,7 @@ class TrainingRun:
         acc.print(stop_line(self.stop.describe(), pos.step, self.total_steps, path))
         acc.wait_for_everyone()
         acc.end_training()
+        self._close_endpoint()
         sys.exit(0)
 
     def _evaluate(self, announce: bool) -> dict:
@@ -411,7 +422,9 @@ class TrainingRun:
         from finetune_kit.training.trainer import MeteredTrainer, RoomToSaveCallback, StopCallback
 
         self.flop_counter = FlopCounter(from_config(self.model_config), num_labels=self.num_labels)
-        trainer = MeteredTrainer(flop_counter=self.flop_counter, metrics_dir=self.output, **trainer_kwargs)
+        self.endpoint = prometheus.open_endpoint(self.recipe)
+        trainer = MeteredTrainer(flop_counter=self.flop_counter, metrics_dir=self.output, endpoint=self.endpoint,
+                                 **trainer_kwargs)
         stop = StopRequest(announce=trainer.args.local_process_index == 0).install()
         trainer.add_callback(StopCallback(trainer, stop))
         trainer.add_callback(RoomToSaveCallback(trainer, self.checkpoint_estimate))  # sees the final should_save
@@ -496,6 +509,12 @@ class TrainingRun:
         # down its gloo connections while another still writes can die at exit with SIGABRT.
         acc.wait_for_everyone()
         acc.end_training()
+        self._close_endpoint()
+
+    def _close_endpoint(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
     @property
     def engine(self) -> str:

@@ -2,11 +2,12 @@
 
 ``MeteredTrainer`` feeds each micro-batch to a :class:`StepTally` (real tokens,
 padded slots, model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimizer step the totals over
-all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and TensorBoard when
-installed) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
+all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and to the trackers of
+``--report_to``) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
 padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
 mfu_percent (GPUs with a known peak), step_time_s and the ``metering.memory.peaks()`` keys. The loss
-is the Trainer's: token-weighted over the whole optimizer step, all ranks.
+is the Trainer's: token-weighted over the whole optimizer step, all ranks. Every step also goes
+to the rank's Prometheus endpoint when the run has one (:mod:`finetune_kit.metering.prometheus`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from finetune_kit.training.preemption import stop_line
 
 
 class MeteredTrainer(Trainer):
-    """``Trainer(...)`` plus ``flop_counter`` and ``metrics_dir`` (where metrics.jsonl goes).
-    ``self.meter`` holds every step's rate, for the run record's medians."""
+    """``Trainer(...)`` plus ``flop_counter``, ``metrics_dir`` (where metrics.jsonl goes) and the
+    rank's Prometheus ``endpoint`` (or None). ``self.meter`` holds every step's rate, for the run
+    record's medians."""
 
-    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, **kwargs):
+    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, endpoint=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tally = StepTally(flop_counter)
         self.meter = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
-        self.add_callback(MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero())))
+        metering = MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero()), endpoint)
+        # First, so the figures it adds to a logged step reach the --report_to trackers' callbacks.
+        self.callback_handler.callbacks.insert(0, metering)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.tally.add(inputs)
@@ -44,16 +48,23 @@ class MeteringCallback(TrainerCallback):
     """Closes each optimizer step's tally (a collective: every rank runs it) and writes the
     logged steps. Also puts tokens/s and peak memory on the Trainer's own log line."""
 
-    def __init__(self, trainer: MeteredTrainer, log: MetricsLog):
+    def __init__(self, trainer: MeteredTrainer, log: MetricsLog, endpoint=None):
         self.trainer = trainer
         self.log = log
+        self.endpoint = endpoint
         self.rate = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.meter.reset_clock()
 
     def on_step_end(self, args, state, control, **kwargs):
+        own_tokens = self.trainer.tally.tokens
         self.rate = self.trainer.meter.step(**self.trainer.tally.reduce(self.trainer.accelerator))
+        if self.endpoint is not None:
+            self.endpoint.update({keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch,
+                                  **self.rate.as_metrics(), **keys.loss_scaling(getattr(self.trainer, "model_wrapped",
+                                                                                       None))})
+            self.endpoint.rank_tokens(own_tokens)
 
     def on_save(self, args, state, control, **kwargs):
         self.trainer.meter.reset_clock()  # a checkpoint write is not training time
@@ -67,13 +78,23 @@ class MeteringCallback(TrainerCallback):
         record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
                   keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **memory.peaks(),
                   **keys.loss_scaling(getattr(self.trainer, "model_wrapped", None))}
-        logs[keys.TOKENS_PER_S.key] = round(self.rate.tokens_per_s, 1)
-        metric, value = keys.memory_headline(record)
-        logs[metric.key] = round(value, 2)
+        if self.endpoint is not None:
+            self.endpoint.update(record)
+        if _reporting(args):  # the trackers log every figure under metrics.jsonl's names
+            logs.update({k: v for k, v in record.items() if k not in (keys.STEP.key, keys.EPOCH.key)})
+        else:  # the console line: throughput and the memory headline
+            logs[keys.TOKENS_PER_S.key] = round(self.rate.tokens_per_s, 1)
+            metric, value = keys.memory_headline(record)
+            logs[metric.key] = round(value, 2)
         self.log.write(record)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close()
+
+
+def _reporting(args) -> bool:
+    report_to = getattr(args, "report_to", None) or []
+    return any(name != "none" for name in ([report_to] if isinstance(report_to, str) else report_to))
 
 
 class StopCallback(TrainerCallback):
