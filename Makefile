@@ -33,6 +33,10 @@ ULIMIT_FLAGS ?= --ulimit memlock=-1 --ulimit stack=67108864
 CONTAINER_FLAGS ?=
 # More arguments for the recipe's train.py (e.g. TRAIN_ARGS="--max-steps 100 --save-every 50").
 TRAIN_ARGS ?=
+# Live Prometheus metrics: every rank serves METRICS_PORT + its local rank (FINETUNE_METRICS_PORT); off when
+# empty. `make monitor` scrapes them (docker/monitoring). The prefix works on the host and in a container.
+METRICS_PORT ?=
+with_metrics = $(if $(METRICS_PORT),env FINETUNE_METRICS_PORT=$(METRICS_PORT))
 # $(call in_container,image,model,data files,output folder): the `docker run ...` prefix, or nothing.
 # Each folder is mounted once (a data folder that is also the model or output folder is not repeated).
 in_container = $(if $(CONTAINER),mkdir -p "$(abspath $(4))" "$(HF_CACHE)" && $(CONTAINER) run --rm $(GPU_FLAGS) \
@@ -58,7 +62,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
-	memory-tables image lock gpu-check wheelhouse clean
+	memory-tables image lock gpu-check wheelhouse monitor monitor-down clean
 
 help: ## this list
 	@echo "make <target> [VARIABLE=value ...]"
@@ -88,13 +92,13 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml]
+recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml] [METRICS_PORT=9450]
 	$(call need_gpus,recipe-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ -n "$(LAUNCH_CONFIG)" ]; then cfg=$(LAUNCH_CONFIG); elif [ "$(NUM_GPUS)" = "1" ]; then \
 	  cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
 	$(call in_recipe,$(RECIPE_8B)) set -x && $(call in_container,llama3-8b-zero3,$(MODEL),$(DATA),$(OUTPUT)) \
-	  accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
+	  $(with_metrics) accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
 	  --output "$(abspath $(OUTPUT))" $(TRAIN_ARGS)
 
@@ -153,7 +157,7 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
 	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
-	  deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  $(with_metrics) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
 	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
@@ -166,15 +170,36 @@ ifneq ($(CONTAINER),)
 	set -x && $(call in_container,llama3-70b-qlora,$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
 	  recipe-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
 	  MODEL_70B="$(call local_or_hub,$(MODEL_70B))" DATA='$(foreach d,$(DATA),$(call local_or_hub,$(d)))' \
-	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)'
+	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)' METRICS_PORT=$(METRICS_PORT)
 else
 	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.launch.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
 	  --node-rank $(NODE_RANK)
 	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
-	cd $(RECIPE_70B) && set -x && accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
+	cd $(RECIPE_70B) && set -x && $(with_metrics) accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
 	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
 	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))" $(TRAIN_ARGS)
 endif
+
+# Prometheus + Grafana + DCGM exporter for a running job (docker/monitoring): the targets are every rank's
+# endpoint, ports METRICS_PORT.. on each of NODES (main node first; the job runs with METRICS_PORT set), and
+# the exporter on each node. Every other GPU node runs its exporter only: MONITOR_SERVICES=dcgm-exporter.
+# The container engine is CONTAINER when set (podman adds compose.podman.yaml: the GPUs through CDI), else docker.
+NODES ?= localhost
+GPUS_PER_NODE ?= 8
+DCGM_PORT ?= 9400
+MONITOR_SERVICES ?=
+MONITOR_TARGETS := $(CURDIR)/out/monitoring/targets
+MONITOR_ENGINE = $(or $(CONTAINER),docker)
+MONITOR_COMPOSE = $(MONITOR_ENGINE) compose -f docker/monitoring/compose.yaml \
+  $(if $(filter podman,$(notdir $(MONITOR_ENGINE))),-f docker/monitoring/compose.podman.yaml)
+monitor: ## live dashboards of a job: NODES="node0 node1" GPUS_PER_NODE=4 [METRICS_PORT=9450] (Grafana on :3000)
+	bash docker/monitoring/targets.sh NODES="$(NODES)" GPUS_PER_NODE=$(GPUS_PER_NODE) \
+	  METRICS_PORT=$(or $(METRICS_PORT),9450) DCGM_PORT=$(DCGM_PORT) TARGETS_DIR="$(MONITOR_TARGETS)"
+	TARGETS_DIR="$(MONITOR_TARGETS)" DCGM_PORT=$(DCGM_PORT) $(MONITOR_COMPOSE) up -d $(MONITOR_SERVICES)
+	@$(if $(MONITOR_SERVICES),true,echo "Grafana: http://$$(hostname):$${GRAFANA_PORT:-3000} (dashboard 'Fine-tuning: live training'), Prometheus: port 9090")
+
+monitor-down: ## stop the monitoring containers (the recorded metrics stay in their volumes)
+	$(MONITOR_COMPOSE) down
 
 clean: ## remove .nox, build and out
 	rm -rf .nox build out
