@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ from tests.harness import (
     assert_ranks_disjoint,
     assert_resumed_like_uninterrupted,
     bad_input_args,
+    free_port,
+    launch_env,
     losses,
     read_metrics,
     read_run_info,
@@ -235,20 +238,42 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
 
 
-@pytest.mark.parametrize("sample", ["chat", "sharegpt", "alpaca", "prompt_completion"])
-def test_every_format_trains_with_the_llama2_template(sample, recipe_copy, tiny_llama2, tmp_path):
-    """One optimizer step on one process per format besides prompt/response (the runs above), packed."""
+def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, tmp_path):
+    """One optimizer step on one process per format besides prompt/response (the runs above), packed;
+    the four single-process launches run side by side (most of each is interpreter start-up). The chat
+    one also reports to TensorBoard through the Trainer's --report_to; the alpaca one serves Prometheus
+    metrics (tests/recipes/test_live_metrics.py scrapes the accelerate loop's)."""
     from finetune_kit.results.record import RunRecord
 
-    output = tmp_path / "out"
-    proc = launch(recipe_copy, "--model", str(tiny_llama2), "--data", str(SAMPLES / f"{sample}.jsonl"),
-                  "--max_seq_len", str(MAX_SEQ_LEN), "--per_device_train_batch_size", "2",
-                  "--gradient_accumulation_steps", "1", "--max_steps", "1", "--save_strategy", "no",
-                  "--eval_fraction", "0", "--pack", "--output_dir", str(output), nproc=1)
-    assert_finished(proc, 1, sample)
-    data = RunRecord.read(output / "run_record.json").data
-    assert data.chat_template == "llama2" and data.format == {"chat": "messages"}.get(sample, sample.replace("_", "-"))
-    assert read_metrics(output)[0]["padding_fraction"] == 0  # packed: the Trainer got no padding either
+    tracked = {"chat": ("--report_to", "tensorboard")}
+    served = {"alpaca": {"FINETUNE_METRICS_PORT": str(free_port()), "FINETUNE_METRICS_ADDR": "127.0.0.1"}}
+
+    samples = ["chat", "sharegpt", "alpaca", "prompt_completion"]
+    procs = {sample: subprocess.Popen(
+        script_command("--deepspeed", "configs/zero2.json", "--model", str(tiny_llama2),
+                       "--data", str(SAMPLES / f"{sample}.jsonl"), "--max_seq_len", str(MAX_SEQ_LEN),
+                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_steps", "1",
+                       "--save_strategy", "no", "--eval_fraction", "0", "--pack", "--output_dir",
+                       str(tmp_path / sample), *tracked.get(sample, ()), nproc=1),
+        cwd=recipe_copy, env=launch_env(served.get(sample)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for sample in samples}
+    for sample, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert_finished(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), 1, sample)
+        data = RunRecord.read(tmp_path / sample / "run_record.json").data
+        assert data.chat_template == "llama2"
+        assert data.format == {"chat": "messages"}.get(sample, sample.replace("_", "-"))
+        assert read_metrics(tmp_path / sample)[0]["padding_fraction"] == 0  # packed: the Trainer got no padding
+        assert ("metrics endpoint: http://" in stdout) == (sample in served), sample  # the Trainer's too
+    # --report_to: the Trainer's TensorBoard callback got metrics.jsonl's figures (under its "train/" prefix)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (event_file,) = (tmp_path / "chat").glob("runs/*/events.out.tfevents.*")  # the Trainer's default folder
+    events = EventAccumulator(str(event_file.parent), size_guidance={"scalars": 0})
+    events.Reload()
+    (record,) = read_metrics(tmp_path / "chat")
+    for key in ("tokens_per_s", "padding_fraction", "step_time_s", "host_rss_GiB", "lr"):
+        assert events.Scalars(f"train/{key}")[0].value == pytest.approx(record[key], rel=1e-5), key
 
 
 def test_offload_config_trains_with_cpu_adam(run, short_run):
