@@ -6,6 +6,7 @@
     nox -s results                  # regenerate results/README.md and results/throughput.png
     nox -s image                    # build the images with podman and train in the 8B one
     nox -s recipe-llama3-8b-nvme    # ZeRO-Infinity to a temporary folder (compiles DeepSpeed's async_io first)
+    nox -s live-metrics             # a real Prometheus scraping a 2-process run; TensorBoard beside it
     nox -s lock                     # regenerate the hash locks from the pins (make lock)
 
 The sessions that train (unit, every recipe, demo) share one environment, ``.nox/stack``: the
@@ -26,7 +27,7 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora",
-                        "gpu-check-cpu", "wheelhouse", "image"]
+                        "live-metrics", "gpu-check-cpu", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -100,6 +101,13 @@ def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     files and resumes exactly. Not in the default sessions: DeepSpeed's async_io op compiles at its
     first use here (minutes); installs libaio if missing."""
     run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_nvme.py", *session.posargs)
+
+
+@nox.session(name="live-metrics", venv_backend="none")
+def live_metrics(session: nox.Session) -> None:
+    """Debian's Prometheus (installed if missing) with docker/monitoring's scrape configuration reads
+    both ranks' series from a 2-process run of the 8B recipe, which also reports to TensorBoard."""
+    run_in_stack(session, "pytest", "tests/recipes/test_live_metrics.py", *session.posargs)
 
 
 @nox.session(name="gpu-check-cpu", venv_backend="none")
