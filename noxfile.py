@@ -26,8 +26,8 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama2-13b-zero2", "recipe-llama3-70b-qlora",
-                        "live-metrics", "gpu-check-cpu", "wheelhouse", "image"]
+nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama3-8b-nvme", "recipe-llama2-13b-zero2",
+                        "recipe-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -95,11 +95,11 @@ for _name, _what in RECIPE_SESSIONS.items():
     recipe_session(_name, _what)
 
 
-@nox.session(name="recipe-llama3-8b-nvme", venv_backend="none", default=False)
+@nox.session(name="recipe-llama3-8b-nvme", venv_backend="none")
 def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     """The 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*), 2 CPU processes: trains through NVMe swap
-    files and resumes exactly. Not in the default sessions: DeepSpeed's async_io op compiles at its
-    first use here (minutes); installs libaio if missing."""
+    files and resumes exactly. DeepSpeed's async_io op compiles at its first use in the shared
+    environment (minutes, once); installs libaio if missing."""
     run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_nvme.py", *session.posargs)
 
 

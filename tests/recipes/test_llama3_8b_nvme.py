@@ -1,8 +1,8 @@
 """The Llama 3 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*): its optimizer states on disk, 2 CPU processes.
 
-Not part of ``make test`` yet: DeepSpeed's async_io op is not prebuilt in the test environment, and
-its first use compiles it (minutes on 2 cores). Run ``nox -s recipe-llama3-8b-nvme``; it installs
-libaio if it is missing.
+DeepSpeed's async_io op is not prebuilt in the test environment: its first use compiles it (minutes on
+2 cores, once per environment). ``nox -s recipe-llama3-8b-nvme`` (one of ``make test``'s sessions)
+installs libaio if it is missing.
 
 DeepSpeed swaps nothing under 1 MiB to disk, and the usual tiny test model is entirely under that
 size: this model (hidden 128) has 279k fp32 weights per rank in its one optimizer sub-group, so the
