@@ -66,13 +66,18 @@ def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int
     return accelerate_launch(cwd, *args, config=config, nproc=nproc)
 
 
+SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU collectives, one per rank in /dev/shm
+
+
 @pytest.fixture(scope="module")
-def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list]:
     output = tmp_path_factory.mktemp("runs") / "fresh"
+    before = set(Path("/dev/shm").glob(SHM_BUFFERS))
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
                   "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    left = sorted(set(Path("/dev/shm").glob(SHM_BUFFERS)) - before)
     assert_finished(proc, STEPS)
-    return proc, output
+    return proc, output, left
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +85,15 @@ def run(fresh_launch) -> Path:
     return fresh_launch[1]
 
 
+def test_the_run_leaves_no_buffer_in_dev_shm(fresh_launch):
+    """DeepSpeed's shm_comm op never removes its 64 MiB per rank: the run removes them at exit."""
+    assert fresh_launch[2] == []
+
+
 def test_by_default_no_metrics_endpoint_and_no_tracker(fresh_launch):
     """Without FINETUNE_METRICS_PORT no port opens (no endpoint is announced); --report-to none writes
     no tracker files (tests/recipes/test_live_metrics.py runs both on)."""
-    proc, output = fresh_launch
+    proc, output, _ = fresh_launch
     assert "FINETUNE_METRICS_PORT" not in launch_env()
     assert "metrics endpoint" not in proc.stdout + proc.stderr
     assert not (output / "tensorboard").exists()

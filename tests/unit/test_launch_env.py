@@ -127,3 +127,29 @@ def test_several_cpu_processes_get_the_gloo_backend_and_the_timeout(two_nodes, m
     monkeypatch.setenv("FINETUNE_COLLECTIVE_TIMEOUT_S", "90")
     assert distributed.make_accelerator(gradient_accumulation_steps=4) == {
         "gradient_accumulation_steps": 4, "kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=90))]}
+
+
+def test_the_shm_buffer_of_this_rank_is_removed_at_exit(monkeypatch, tmp_path):
+    """DeepSpeed's CPU collectives leave deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> in
+    /dev/shm; the run registers its removal at exit, for its own rank's name only."""
+    import os
+
+    from finetune_kit.launch import accelerator
+
+    registered = []
+    monkeypatch.setattr(accelerator, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(accelerator, "on_cpu_only", lambda: True)
+    monkeypatch.setattr(accelerator.atexit, "register", lambda fn, **kw: registered.append((fn, kw)))
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(name, value)
+    mine = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29555_1"
+    other = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29555_0"
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    accelerator.release_shm_buffer_at_exit()
+    [(unlink, kwargs)] = registered
+    unlink(**kwargs)
+    assert not mine.exists() and other.exists()
+    monkeypatch.delenv("WORLD_SIZE")  # no launcher: nothing to remove
+    accelerator.release_shm_buffer_at_exit()
+    assert len(registered) == 1

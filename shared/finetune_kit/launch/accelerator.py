@@ -14,13 +14,20 @@ itself (:func:`_fsdp_on_cpu`); ``fully_shard`` then shards over the gloo group a
 Recipes driven by the Hugging Face ``Trainer`` meet the same trap one level up:
 ``TrainingArguments`` builds its own accelerate state. ``trainer_cpu_overrides()`` is their
 fix, again a no-op on GPUs.
+
+A third, on every CPU run under DeepSpeed: its shared-memory collectives (the shm_comm op) give
+each rank a 64 MiB buffer in ``/dev/shm`` and never remove it, so every run would leave its
+buffers behind in RAM. Both entry points remove this rank's name at exit
+(:func:`release_shm_buffer_at_exit`); the ranks' mappings stay valid until they exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -50,6 +57,7 @@ def make_accelerator(**kwargs) -> Accelerator:
         handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL: accelerate's own backend
     if fsdp.launched():
         kwargs.setdefault("fsdp_plugin", fsdp.plugin())  # the YAML's settings, fp32 gradient reduction
+    release_shm_buffer_at_exit()
     accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
     if fsdp.launched() and accelerator.distributed_type != DistributedType.FSDP:
         _fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
@@ -84,5 +92,28 @@ def trainer_cpu_overrides() -> dict:
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    release_shm_buffer_at_exit()
     PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
     return {"use_cpu": True, "accelerator_config": {"use_configured_state": True}}
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_buffer() -> Path | None:
+    """This rank's buffer of DeepSpeed's CPU collectives, named as its shm_comm op names it
+    (``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``); None without a launcher."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not env.launched() or addr is None or port is None:
+        return None
+    return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{env.view().rank}"
+
+
+def release_shm_buffer_at_exit() -> None:
+    """On a CPU-only machine, remove this rank's shm_comm buffer from /dev/shm when the process
+    exits (normally, by sys.exit or an exception): DeepSpeed never does, and each run would keep
+    64 MiB of RAM per rank until the machine restarts. Only the name goes; the other ranks have
+    mapped the buffer since the process group started, and keep it until they exit."""
+    buffer = shm_buffer() if on_cpu_only() else None
+    if buffer is not None:
+        atexit.register(buffer.unlink, missing_ok=True)
