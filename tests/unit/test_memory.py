@@ -325,3 +325,21 @@ def test_zero_infinity_puts_the_offloaded_states_on_disk_and_pinned_buffers_in_h
     assert p.gpu_parts == cpu.gpu_parts  # the GPU does not see where the offloaded states live
     assert not cpu.disk_parts and cpu.host_bytes > 6 * p.host_bytes
     assert p.to_dict()["disk_GiB_per_node"]["bf16 weights (swap files)"] == pytest.approx(2 * psi / GiB, abs=1e-3)
+
+
+def test_the_parameter_buffers_are_those_the_launched_json_sets():
+    """A JSON with its own offload_param buffers (or none: DeepSpeed's 5 x 1e8) plans those."""
+    import json
+
+    from tests.harness import REPO
+
+    ds = json.loads((REPO / "recipes/llama3-8b-zero3/configs/zero3-nvme.json").read_text())
+    ds["zero_optimization"]["offload_param"].update(buffer_count=3, buffer_size=1e6)
+    setup = memory.setup_from_deepspeed(ds, gpus_per_node=2, micro_batch=1, seq_len=512)
+    assert setup.param_buffers == (3, 1e6)
+    assert plan("llama3-8b", setup).host_parts["parameter swap buffers (pinned)"] == 3 * 10**6 * 2 * 2
+    for key in ("buffer_count", "buffer_size"):
+        del ds["zero_optimization"]["offload_param"][key]
+    assert memory.setup_from_deepspeed(ds).param_buffers == (5, 1e8)
+    ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    assert memory.setup_from_deepspeed(ds).param_buffers is None

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env
-from finetune_kit.launch.nvme import nvme_paths
+from finetune_kit.launch.nvme import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, nvme_paths
 from finetune_kit.models.shapes import ModelShape, resolve_model
 
 GiB = 2**30
@@ -159,7 +159,8 @@ def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, i
     On the disk, each rank swaps its partition: fp32 weights, Adam's two moments and the fp32
     gradients (16 bytes per parameter) with the optimizer, and the bf16 weights (2) with the
     parameters. In host memory, instead of those states: the pinned swap buffers of every rank on
-    the node (the optimizer's: 4 x one sub-group in fp32; the parameters': 5 x 6e8 bf16 elements).
+    the node (the optimizer's: 4 x one sub-group in fp32; the parameters': buffer_count x buffer_size bf16
+    elements, from the launched JSON, or the shipped config's 5 x 6e8 for a Setup built by hand).
     """
     share = total_params / s.nodes  # what one node's ranks hold between them
     host, disk = {}, {}
@@ -168,7 +169,7 @@ def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, i
         host["optimizer swap buffers (pinned)"] = int(OPTIMIZER_SWAP_BUFFERS * sub_group * FP32 * s.gpus_per_node)
         disk["fp32 weights + Adam + fp32 gradients (swap files)"] = int((FP32 + 2 * FP32 + FP32) * share)
     if s.offload_param:
-        count, size = _param_swap_buffers()
+        count, size = s.param_buffers or _param_swap_buffers()
         host["parameter swap buffers (pinned)"] = int(count * size * BF16 * s.gpus_per_node)
         disk["bf16 weights (swap files)"] = int(BF16 * share)
     return host, disk
@@ -300,6 +301,7 @@ class Setup:
     num_labels: int | None = None  # sequence classification head instead of the LM head
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
     nvme: bool = False  # the offloads above go to an NVMe disk (ZeRO-Infinity) instead of host memory
+    param_buffers: tuple[int, float] | None = None  # NVMe parameter buffers (count, elements); None: the builder's
 
     @property
     def gpus(self) -> int:
@@ -554,8 +556,12 @@ def _device(section) -> bool:
 def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
     """A Setup with stage and offload read from a DeepSpeed JSON dict; other fields as given."""
     zero = ds_config.get("zero_optimization", {}) or {}
+    param, buffers = zero.get("offload_param"), None
+    if "offload_param" in nvme_paths(ds_config):  # the JSON's buffers, or DeepSpeed's defaults where it has none
+        buffers = (int(param.get("buffer_count", DEFAULT_BUFFER_COUNT)),
+                   float(param.get("buffer_size", DEFAULT_BUFFER_SIZE)))
     return Setup(stage=int(zero.get("stage", 0)), offload_optimizer=_device(zero.get("offload_optimizer")),
-                 offload_param=_device(zero.get("offload_param")), nvme=bool(nvme_paths(ds_config)), **fields)
+                 offload_param=_device(param), nvme=bool(nvme_paths(ds_config)), param_buffers=buffers, **fields)
 
 
 def setup_for_fsdp2(**fields) -> Setup:
