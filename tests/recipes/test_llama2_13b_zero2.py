@@ -64,12 +64,23 @@ def launch(cwd: Path, *args: str, launcher: str = "deepspeed", config: str = "co
     return script_launch(cwd, "--deepspeed", config, *args, launcher=launcher, nproc=nproc)
 
 
+SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU collectives, one per rank in /dev/shm
+LEFT_IN_SHM = []
+
+
 @pytest.fixture(scope="module")
 def run(recipe_copy, tiny_llama2, tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("runs") / "fresh"
+    before = set(Path("/dev/shm").glob(SHM_BUFFERS))
     assert_finished(launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
                  "--save_steps", str(SAVE_EVERY), "--save_total_limit", "0"), STEPS)
+    LEFT_IN_SHM.extend(sorted(set(Path("/dev/shm").glob(SHM_BUFFERS)) - before))
     return output
+
+
+def test_the_run_leaves_no_buffer_in_dev_shm(run):
+    """The Trainer's process group too: DeepSpeed's shm_comm buffers are gone when the run ends."""
+    assert LEFT_IN_SHM == []
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,7 @@ def test_several_cpu_processes_get_the_gloo_backend_and_the_timeout(two_nodes, m
     from accelerate.utils import InitProcessGroupKwargs
 
     monkeypatch.setattr(distributed, "Accelerator", lambda **kwargs: kwargs)  # what it would be built with
+    monkeypatch.setattr(distributed, "release_shm_buffer", lambda barrier: None)  # no process group here
     monkeypatch.setattr(distributed, "on_cpu_only", lambda: True)
     mine = object()
     handlers = [mine]
@@ -129,14 +130,14 @@ def test_several_cpu_processes_get_the_gloo_backend_and_the_timeout(two_nodes, m
         "gradient_accumulation_steps": 4, "kwargs_handlers": [InitProcessGroupKwargs(timeout=timedelta(seconds=90))]}
 
 
-def test_the_shm_buffer_of_this_rank_is_removed_at_exit(monkeypatch, tmp_path):
+def test_the_shm_buffer_of_this_rank_is_removed_once_every_rank_is_past_its_init(monkeypatch, tmp_path):
     """DeepSpeed's CPU collectives leave deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> in
-    /dev/shm; the run registers its removal at exit, for its own rank's name only."""
+    /dev/shm; after a barrier each rank removes its own name (and again at exit, for a late one)."""
     import os
 
     from finetune_kit.launch import accelerator
 
-    registered = []
+    registered, barriers = [], []
     monkeypatch.setattr(accelerator, "SHM_DIR", tmp_path)
     monkeypatch.setattr(accelerator, "on_cpu_only", lambda: True)
     monkeypatch.setattr(accelerator.atexit, "register", lambda fn, **kw: registered.append((fn, kw)))
@@ -146,10 +147,13 @@ def test_the_shm_buffer_of_this_rank_is_removed_at_exit(monkeypatch, tmp_path):
     other = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29555_0"
     mine.write_bytes(b"x")
     other.write_bytes(b"x")
-    accelerator.release_shm_buffer_at_exit()
+    accelerator.release_shm_buffer(lambda: barriers.append(mine.exists()))
+    assert barriers == [True]  # the barrier came first, with the buffer still there
+    assert not mine.exists() and other.exists()
+    mine.write_bytes(b"x")  # a buffer created after that point: the exit handler removes it
     [(unlink, kwargs)] = registered
     unlink(**kwargs)
     assert not mine.exists() and other.exists()
-    monkeypatch.delenv("WORLD_SIZE")  # no launcher: nothing to remove
-    accelerator.release_shm_buffer_at_exit()
-    assert len(registered) == 1
+    monkeypatch.delenv("WORLD_SIZE")  # no launcher: nothing to remove, no barrier
+    accelerator.release_shm_buffer(lambda: barriers.append("called"))
+    assert len(registered) == 1 and barriers == [True]

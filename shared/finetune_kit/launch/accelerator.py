@@ -17,8 +17,8 @@ fix, again a no-op on GPUs.
 
 A third, on every CPU run under DeepSpeed: its shared-memory collectives (the shm_comm op) give
 each rank a 64 MiB buffer in ``/dev/shm`` and never remove it, so every run would leave its
-buffers behind in RAM. Both entry points remove this rank's name at exit
-(:func:`release_shm_buffer_at_exit`); the ranks' mappings stay valid until they exit.
+buffers behind in RAM. Both entry points remove this rank's name once every rank has mapped every
+other's (:func:`release_shm_buffer`); the mappings stay valid until the ranks exit.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def make_accelerator(**kwargs) -> Accelerator:
         handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL: accelerate's own backend
     if fsdp.launched():
         kwargs.setdefault("fsdp_plugin", fsdp.plugin())  # the YAML's settings, fp32 gradient reduction
-    release_shm_buffer_at_exit()
     accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
+    release_shm_buffer(lambda: accelerator.wait_for_everyone())
     if fsdp.launched() and accelerator.distributed_type != DistributedType.FSDP:
         _fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])
     return accelerator
@@ -92,8 +92,8 @@ def trainer_cpu_overrides() -> dict:
     from accelerate import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    release_shm_buffer_at_exit()
-    PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
+    state = PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
+    release_shm_buffer(state.wait_for_everyone)
     return {"use_cpu": True, "accelerator_config": {"use_configured_state": True}}
 
 
@@ -109,11 +109,16 @@ def shm_buffer() -> Path | None:
     return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{env.view().rank}"
 
 
-def release_shm_buffer_at_exit() -> None:
-    """On a CPU-only machine, remove this rank's shm_comm buffer from /dev/shm when the process
-    exits (normally, by sys.exit or an exception): DeepSpeed never does, and each run would keep
-    64 MiB of RAM per rank until the machine restarts. Only the name goes; the other ranks have
-    mapped the buffer since the process group started, and keep it until they exit."""
+def release_shm_buffer(barrier) -> None:
+    """On a CPU-only machine, remove this rank's shm_comm buffer from /dev/shm, which DeepSpeed never
+    does (each run would keep 64 MiB of RAM per rank until the machine restarts). Call it on every
+    rank once the process group exists: DeepSpeed's init has then created this rank's buffer and
+    mapped the others', so after ``barrier`` (every rank past its init) the names are no longer
+    needed. A buffer created later (or a run that never reaches this) is removed at exit instead."""
     buffer = shm_buffer() if on_cpu_only() else None
-    if buffer is not None:
-        atexit.register(buffer.unlink, missing_ok=True)
+    if buffer is None:
+        return
+    atexit.register(buffer.unlink, missing_ok=True)
+    if env.world_size() > 1:
+        barrier()
+    buffer.unlink(missing_ok=True)
