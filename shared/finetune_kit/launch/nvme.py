@@ -71,9 +71,7 @@ def check_param_buffers(ds_config: dict, model_config, world_size: int, source: 
 
     if "offload_param" not in nvme_paths(ds_config) or str(ds_config["zero_optimization"].get("stage")) != "3":
         return  # only ZeRO-3 partitions, and so swaps, the parameters
-    section = ds_config["zero_optimization"]["offload_param"]
-    count = _number(section, "buffer_count", DEFAULT_BUFFER_COUNT, source)
-    size = _number(section, "buffer_size", DEFAULT_BUFFER_SIZE, source)
+    count, size = param_buffers(ds_config, source)
     shape = resolve_model(model_config)
     name, numel = _largest_parameter(shape)
     partition = math.ceil(numel / max(1, world_size))
@@ -98,6 +96,16 @@ def check_param_buffers(ds_config: dict, model_config, world_size: int, source: 
             f"buffer size' while partitioning the model. Set {key}.buffer_size to at least {needed:,} in "
             f"{source} (pinned host memory per rank: buffer_count {count} x {needed:,} x {element_bytes} bytes "
             f"= {pinned:.1f} GiB), or launch on more GPUs.")
+
+
+def param_buffers(ds_config: dict, source: str = "the DeepSpeed config") -> tuple[int, int] | None:
+    """(buffer_count, buffer_size) of the NVMe parameter buffers, DeepSpeed's defaults where the JSON
+    has none; None when parameters are not offloaded to NVMe."""
+    if "offload_param" not in nvme_paths(ds_config):
+        return None
+    section = ds_config["zero_optimization"]["offload_param"]
+    return (_number(section, "buffer_count", DEFAULT_BUFFER_COUNT, source),
+            _number(section, "buffer_size", DEFAULT_BUFFER_SIZE, source))
 
 
 def _number(section: dict, key: str, default: int, source: str) -> int:

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env
-from finetune_kit.launch.nvme import DEFAULT_BUFFER_COUNT, DEFAULT_BUFFER_SIZE, nvme_paths
+from finetune_kit.launch.nvme import nvme_paths, param_buffers
 from finetune_kit.models.shapes import ModelShape, resolve_model
 
 GiB = 2**30
@@ -301,7 +301,7 @@ class Setup:
     num_labels: int | None = None  # sequence classification head instead of the LM head
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
     nvme: bool = False  # the offloads above go to an NVMe disk (ZeRO-Infinity) instead of host memory
-    param_buffers: tuple[int, float] | None = None  # NVMe parameter buffers (count, elements); None: the builder's
+    param_buffers: tuple[int, int] | None = None  # NVMe parameter buffers (count, elements); None: the builder's
 
     @property
     def gpus(self) -> int:
@@ -556,12 +556,9 @@ def _device(section) -> bool:
 def setup_from_deepspeed(ds_config: dict, **fields) -> Setup:
     """A Setup with stage and offload read from a DeepSpeed JSON dict; other fields as given."""
     zero = ds_config.get("zero_optimization", {}) or {}
-    param, buffers = zero.get("offload_param"), None
-    if "offload_param" in nvme_paths(ds_config):  # the JSON's buffers, or DeepSpeed's defaults where it has none
-        buffers = (int(param.get("buffer_count", DEFAULT_BUFFER_COUNT)),
-                   float(param.get("buffer_size", DEFAULT_BUFFER_SIZE)))
     return Setup(stage=int(zero.get("stage", 0)), offload_optimizer=_device(zero.get("offload_optimizer")),
-                 offload_param=_device(param), nvme=bool(nvme_paths(ds_config)), param_buffers=buffers, **fields)
+                 offload_param=_device(zero.get("offload_param")), nvme=bool(nvme_paths(ds_config)),
+                 param_buffers=param_buffers(ds_config), **fields)
 
 
 def setup_for_fsdp2(**fields) -> Setup:
