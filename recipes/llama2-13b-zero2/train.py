@@ -58,6 +58,8 @@ class RecipeArguments:
     eval_fraction: float = field(default=0.05, metadata={"help": "share of rows held out"})
     skip_memory_check: bool = field(
         default=False, metadata={"help": "launch even if the memory planner predicts the run does not fit the GPUs"})
+    save_model: bool = field(default=True, metadata={
+        "help": "false: skip the final model save (throughput checks and benchmarks)"})
     meter_warmup_steps: int = field(
         default=3, metadata={"help": "first optimizer steps left out of the run record's throughput medians"})
 
@@ -132,7 +134,8 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=str(run.resume_from) if run.resume_from else None)
 
     # ---- 6. Save the consolidated model; validation, run record and run info ----
-    model_dir = run.save_trainer_model(trainer)  # ZeRO-2: every rank has the full weights; rank 0 writes
+    # ZeRO-2: every rank has the full weights; rank 0 writes
+    model_dir = run.save_trainer_model(trainer) if recipe.save_model else None
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
     if eval_set is not None:
         eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,

@@ -119,14 +119,14 @@ def main(argv=None) -> None:
         run.micro_batch_done(loss, batch)  # logs, validates, saves checkpoints/step_N on schedule
 
     # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
-    adapter_dir = qlora.save_adapter(accelerator, model, tokenizer, run.output / "adapter")
+    adapter_dir = qlora.save_adapter(accelerator, model, tokenizer, run.output / "adapter") if args.save_model else None
     run.finish(model, saved_to=adapter_dir, details={
         "data_counts": counts, "parameter_classes": param_classes,
         "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
                  "targets": args.lora_targets}})
 
     # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----
-    if args.merge and accelerator.is_main_process:
+    if args.merge and adapter_dir and accelerator.is_main_process:
         merged = qlora.merge_adapter(args.model, adapter_dir, run.output / "merged", dtype=dtype)
         print(f"merged model saved to {merged}")
 

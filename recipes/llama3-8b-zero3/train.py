@@ -96,7 +96,7 @@ def main(argv=None) -> None:
         run.micro_batch_done(loss, batch)  # logs, saves checkpoints/step_N on schedule
 
     # ---- 7. Save the consolidated model; validation, run record and run info ----
-    model_dir = save_consolidated(accelerator, model, tokenizer, run.output / "model")
+    model_dir = save_consolidated(accelerator, model, tokenizer, run.output / "model") if args.save_model else None
     run.finish(model, saved_to=model_dir, training={"packing": args.pack})
 
 

@@ -20,11 +20,20 @@ pytestmark = pytest.mark.recipe
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu-check")
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.gpu_check", "--tiny", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "finetune_kit.gpu_check", "--tiny", "--no-save", "--out", str(out)],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=1800, env=launch_env())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "cases passed or were skipped" in proc.stdout
-    return json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    summary["out"] = out
+    return summary
+
+
+def test_no_save_leaves_no_model_or_adapter(summary):
+    ran = [row["case"] for row in summary["cases"] if row["status"] == "ok"]
+    assert ran and all((summary["out"] / name / "run_record.json").is_file() for name in ran)
+    assert not [p for name in ran for p in (summary["out"] / name).iterdir() if p.name in ("model", "adapter")]
 
 
 def test_every_case_runs_except_fp16_on_cpu(summary):

@@ -70,16 +70,97 @@ def test_synthetic_data_fills_every_sequence(kind, tiny_check_model, tmp_path):
     assert len(examples) == 6 and all(shortest <= len(ids) <= 64 for ids in examples["input_ids"])
 
 
+@pytest.mark.parametrize("save", [True, False], ids=["save", "no-save"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_every_case_passes_its_recipes_own_flag_parser(case, monkeypatch):
+def test_every_case_passes_its_recipes_own_flag_parser(case, save, monkeypatch):
     monkeypatch.chdir(REPO / "recipes" / case.recipe)
-    flags = recipe_flags(case, model="m", data="d.jsonl", output="o", steps=8, seq_len=128, micro_batch=2)
+    flags = recipe_flags(case, model="m", data="d.jsonl", output="o", steps=8, seq_len=128, micro_batch=2, save=save)
     parsed = load_script(REPO / "recipes" / case.recipe / "train.py").parse_args(flags)
     if case.trainer:
         recipe, trainer = parsed
         assert (trainer["max_steps"], trainer["save_strategy"], recipe.max_seq_len) == (8, "no", 128)
+        assert recipe.save_model is save
     else:
         assert (parsed.max_steps, parsed.save_every, parsed.max_seq_len, parsed.micro_batch_size) == (8, 0, 128, 2)
+        assert parsed.save_model is save
+
+
+def _stub_case(name: str, script: str):
+    """A case whose "launcher" is a shell running ``script`` (train.py and its flags become ignored arguments)."""
+    from finetune_kit.gpu_check.cases import Case
+
+    return Case(name, "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=1, seq_len=16, micro_batch=1,
+                launcher=("bash", "-c", script, "stub"))
+
+
+def test_a_case_past_its_time_limit_is_stopped_with_its_children(tmp_path):
+    import time
+
+    from finetune_kit.gpu_check.run import run_case
+
+    marker = tmp_path / "child-alive"
+    # the launcher starts a child that would outlive it; the whole session must go
+    case = _stub_case("slow", f"(sleep 3; touch {marker}) & sleep 60")
+    start = time.monotonic()
+    row = run_case(case, REPO, tmp_path, tmp_path / "model", layers=1, steps=1, seq_len=16, micro_batch=1, timeout=1)
+    assert row["status"] == "timed out" and row["exit"] is None and time.monotonic() - start < 10
+    time.sleep(3.5)
+    assert not marker.exists()
+
+
+def test_a_failed_case_and_a_missing_launcher_are_rows_not_crashes(tmp_path):
+    from dataclasses import replace
+
+    from finetune_kit.gpu_check.run import run_case
+
+    failed = run_case(_stub_case("fails", "echo boom; exit 3"), REPO, tmp_path, tmp_path / "m", layers=1, steps=1,
+                      seq_len=16, micro_batch=1)
+    assert (failed["status"], failed["exit"]) == ("failed", 3)
+    assert "boom" in (tmp_path / "fails" / "run.log").read_text()
+    missing = replace(_stub_case("missing", ""), launcher=("no-such-launcher-here",))
+    row = run_case(missing, REPO, tmp_path, tmp_path / "m", layers=1, steps=1, seq_len=16, micro_batch=1)
+    assert row["status"] == "failed" and "'no-such-launcher-here' not on PATH" in row["error"]
+
+
+@pytest.mark.parametrize("value, fixed", [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0 10.0f", "9.0;10.0"),
+                                          ("9.0a;9.0", "9.0")])
+def test_arch_suffixes_deepspeed_cannot_read_are_dropped(value, fixed):
+    env = {"TORCH_CUDA_ARCH_LIST": value}
+    note = cuda_ops.jit_arch_list(env)
+    assert env["TORCH_CUDA_ARCH_LIST"] == fixed and repr(value) in note and repr(fixed) in note
+
+
+@pytest.mark.parametrize("value", ["9.0", "8.0;9.0+PTX", ""])
+def test_arch_lists_deepspeed_reads_are_left_alone(value):
+    env = {"TORCH_CUDA_ARCH_LIST": value} if value else {}
+    assert cuda_ops.jit_arch_list(env) is None and env == ({"TORCH_CUDA_ARCH_LIST": value} if value else {})
+
+
+def test_deepspeeds_own_parser_accepts_what_jit_arch_list_leaves(monkeypatch):
+    """DeepSpeed's JIT builder sorts the list itself; the suffixed value is what failed on an H100 host."""
+    import os
+
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    class Probe(CUDAOpBuilder):
+        NAME = "probe"
+
+        def absolute_name(self):
+            return "probe"
+
+        def sources(self):
+            return []
+
+    env = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    probe = Probe(name="probe")
+    probe.jit_mode = True
+    with pytest.raises(ValueError, match="0a"):
+        probe.compute_capability_args()
+    cuda_ops.jit_arch_list(env)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    assert probe.compute_capability_args() == []  # JIT: it leaves the arch flags to PyTorch, through the env
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0+PTX"
 
 
 def test_cuda_ops_pick_the_adam_the_config_runs_and_check_nothing_without_cuda():

@@ -3,7 +3,7 @@
 Against the README commands only the model (the real architecture truncated to ``layers``), the
 data (synthetic, every sequence full), the number of processes (one GPU), the step count and the
 sizes change; checkpoints are off (``--save-every 0``, ``--save_strategy no``: a truncated 8B's
-optimizer states are tens of GB of disk per case) while the final model or adapter is still saved.
+optimizer states are tens of GB of disk per case); ``--no-save`` also skips the final model or adapter.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ CASES = [
          micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3.yaml")),
     Case("llama3-8b-zero3-offload", "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8,
          seq_len=4096, micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3-offload.yaml")),
+    Case("llama3-8b-fsdp2", "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8, seq_len=4096,
+         micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/fsdp2.yaml")),
     Case("llama2-13b-zero2-bf16", "llama2-13b-zero2", "llama2-13b", "llama2", "instructions", layers=4,
          seq_len=4096, micro_batch=2, trainer=True,
          launcher=("deepspeed", "--num_gpus", "1", "--master_port", "{port}"),
@@ -53,15 +55,16 @@ BY_NAME = {case.name: case for case in CASES}
 
 
 def recipe_flags(case: Case, *, model: str, data: str, output: str, steps: int, seq_len: int,
-                 micro_batch: int) -> list[str]:
-    """The recipe's command-line flags for one check run."""
+                 micro_batch: int, save: bool = True) -> list[str]:
+    """The recipe's command-line flags for one check run (``save=False``: no final model either)."""
     if case.trainer:
         return [*case.flags, "--model", model, "--data", data, "--output_dir", output, "--max_seq_len", str(seq_len),
                 "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", "1",
-                "--max_steps", str(steps), "--save_strategy", "no", "--eval_fraction", "0", "--logging_steps", "1"]
+                "--max_steps", str(steps), "--save_strategy", "no", "--eval_fraction", "0", "--logging_steps", "1",
+                *([] if save else ["--save_model", "false"])]
     flags = [*case.flags, "--model", model, "--data", data, "--output", output, "--max-seq-len", str(seq_len),
              "--micro-batch-size", str(micro_batch), "--grad-accum", "1", "--max-steps", str(steps),
-             "--save-every", "0"]
+             "--save-every", "0", *([] if save else ["--no-save-model"])]
     # the classifier holds out a share of the reviews and validates once at the end; the instruction
     # recipe's validation would add nothing to a throughput check
     return flags + (["--eval-fraction", "0.1"] if case.data == "reviews" else ["--eval-fraction", "0"])

@@ -3,6 +3,11 @@
     python -m finetune_kit.gpu_check                      # every case on this GPU (CPU: tiny width)
     python -m finetune_kit.gpu_check --cases llama3-8b-zero3 --layers 4 --steps 8
     python -m finetune_kit.gpu_check --tiny               # the CPU version (part of make test)
+    python -m finetune_kit.gpu_check --no-save --case-timeout 300   # no final saves; stop a hung case
+
+The models are built first, each in a process of its own (nothing holds GPU memory while a case
+trains), while DeepSpeed's fused and CPU Adam compile in another; ``summary.json`` is rewritten
+after every case, so a crashed or timed-out case keeps the others' rows.
 
 Each case's outputs go to ``--out/<case>/`` (its log in ``run.log``); its run record is copied to
 ``--out/records/<case>.json``, ready for ``results/runs/``; ``--out/summary.json`` and the printed
@@ -14,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +35,44 @@ from finetune_kit.repo.paths import find_root
 
 GPU_DEFAULTS = {"steps": 8}
 TINY = {"layers": 2, "seq_len": 64, "micro_batch": 2, "steps": 4}
+# DeepSpeed's JIT ops the cases use on a GPU: fused Adam (GPU-resident optimizer), CPU Adam (offload)
+OPS = ("from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder; "
+       "FusedAdamBuilder().load(); CPUAdamBuilder().load()")
+
+
+def gpu_memory() -> dict | None:
+    """Name, total and free memory of GPU 0 read through NVML: no CUDA context in this process."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return {"name": name.decode() if isinstance(name, bytes) else name,
+                "total_GiB": round(info.total / 2**30, 2), "free_GiB": round(info.free / 2**30, 2)}
+    except pynvml.NVMLError:
+        return None
+
+
+def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path]:
+    """Every case's model, each built in a process of its own: whatever GPU memory the random init
+    took goes back to the driver when that process ends, before any case trains."""
+    ctx = multiprocessing.get_context("spawn")
+    paths = {}
+    for arch, family, layers in specs:
+        folder = out / "models" / (f"{arch}-{layers}-layers" + ("-tiny" if tiny else ""))
+        start = time.monotonic()
+        proc = ctx.Process(target=build_model, args=(arch, family, layers, folder), kwargs={"tiny": tiny})
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"building the {arch} model ({layers} layers) failed with exit code {proc.exitcode}")
+        print(f"model {folder.name}: {time.monotonic() - start:.0f} s", flush=True)
+        paths[(arch, family, layers)] = folder
+    return paths
 
 
 def free_port() -> int:
@@ -38,15 +84,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(case: Case, root: Path, out: Path, *, tiny: bool, layers: int, steps: int, seq_len: int,
-             micro_batch: int) -> dict:
-    """Build the model and data, run the recipe, return the summary row (status "ok", "failed", "skipped")."""
+def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, steps: int, seq_len: int,
+             micro_batch: int, save: bool = True, timeout: float | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out")."""
     row = {"case": case.name, "recipe": case.recipe, "layers": layers, "seq_len": seq_len,
            "micro_batch": micro_batch, "steps": steps}
-    if tiny and case.gpu_only:
-        return {**row, "status": "skipped", "reason": case.gpu_only}
-    folder = f"{case.arch}-{layers}-layers" + ("-tiny" if tiny else "")
-    model = build_model(case.arch, case.family, layers, out / "models" / folder, tiny=tiny)
+    if extra:
+        row["extra_flags"] = list(extra)
     suffix = "csv" if case.data == "reviews" else "jsonl"
     rows = steps * micro_batch * 2 + 8  # enough for every step and a held-out share
     data = write_data(case.data, out / "data" / f"{case.data}-{seq_len}.{suffix}", rows=rows, seq_len=seq_len)
@@ -55,17 +99,34 @@ def run_case(case: Case, root: Path, out: Path, *, tiny: bool, layers: int, step
     output.mkdir(parents=True)
     launcher = [part.format(port=free_port()) for part in case.launcher]
     cmd = [*launcher, "train.py", *recipe_flags(case, model=str(model), data=str(data), output=str(output),
-                                                  steps=steps, seq_len=seq_len, micro_batch=micro_batch)]
+                                                  steps=steps, seq_len=seq_len, micro_batch=micro_batch, save=save),
+           *extra]
+    if shutil.which(cmd[0]) is None:
+        print(f"-- {case.name}: the launcher {cmd[0]!r} is not on PATH", flush=True)
+        return {**row, "status": "failed", "error": f"launcher {cmd[0]!r} not on PATH"}
+    free = gpu_memory()
+    if free:
+        row["gpu_free_GiB_before"] = free["free_GiB"]
     print(f"== {case.name}: {' '.join(cmd)}", flush=True)
     start = time.monotonic()
     with (output / "run.log").open("w") as log:
-        proc = subprocess.run(cmd, cwd=root / "recipes" / case.recipe, stdout=log, stderr=subprocess.STDOUT)
+        # a session of its own: a timed-out case is stopped with every process it started
+        proc = subprocess.Popen(cmd, cwd=root / "recipes" / case.recipe, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
     row["seconds"] = round(time.monotonic() - start, 1)
     record_path = output / "run_record.json"
-    if proc.returncode != 0 or not record_path.is_file():
+    if returncode != 0 or not record_path.is_file():
         tail = (output / "run.log").read_text()[-3000:]
-        print(f"-- {case.name} failed (exit {proc.returncode}); the end of {output / 'run.log'}:\n{tail}", flush=True)
-        return {**row, "status": "failed", "exit": proc.returncode}
+        status = "timed out" if returncode is None else "failed"
+        print(f"-- {case.name} {status} (exit {returncode}, {row['seconds']} s); the end of {output / 'run.log'}:\n"
+              f"{tail}", flush=True)
+        return {**row, "status": status, "exit": returncode}
     lines = (output / "metrics.jsonl").read_text().splitlines()
     scaler = {k: v for k, v in json.loads(lines[-1]).items() if k in ("loss_scale", "skipped_steps")} if lines else {}
     return {**row, "status": "ok", **scaler,
@@ -115,40 +176,74 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps per case (3 are warm-up; default 8, tiny 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: each case's own)")
     p.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: each case's own)")
+    p.add_argument("--no-save", dest="save", action="store_false",
+                   help="skip each case's final model save (the save path is tested on CPU)")
+    p.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is stopped (default: none)")
+    p.add_argument("--extra", default="", help="recipe flags added to every case (e.g. '--no-gradient-checkpointing')")
     p.add_argument("--out", type=Path, default=Path("out/gpu-check"), help="models, data, outputs, records")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from here)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    import shlex
+
     import torch
 
     args = parse_args(argv)
-    tiny = (not torch.cuda.is_available()) if args.tiny is None else args.tiny
-    unknown = [n for n in args.cases.split(",") if n not in BY_NAME]
+    gpu = torch.cuda.is_available()  # counts devices; creates no CUDA context in this process
+    tiny = (not gpu) if args.tiny is None else args.tiny
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         print(f"error: unknown case(s) {unknown}; the cases are {list(BY_NAME)}", file=sys.stderr)
         return 2
     root = find_root(args.root)
     out = args.out.resolve()
-    print(f"GPU check on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
-          f"{' (tiny width)' if tiny else ''}: torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}")
-    rows = []
-    for name in args.cases.split(","):
-        case = BY_NAME[name]
-        rows.append(run_case(
-            case, root, out, tiny=tiny, layers=args.layers or (TINY["layers"] if tiny else case.layers),
-            steps=args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
-            seq_len=args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
-            micro_batch=args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch)))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"tiny": tiny, "cases": rows}, indent=2) + "\n")
+    info = gpu_memory() if gpu else None
+    print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}: "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
+    cases = [BY_NAME[n] for n in names]
+    layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
+    ops = None
+    if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
+        from finetune_kit.launch.cuda_ops import jit_arch_list
+
+        if note := jit_arch_list():  # the cases inherit the same value: their compile finds this one's build
+            print(note, flush=True)
+        ops_log = (out / "ops.log").open("w")
+        ops = (subprocess.Popen([sys.executable, "-c", OPS], stdout=ops_log, stderr=subprocess.STDOUT),
+               time.monotonic())
+    runnable = [c for c in cases if not (tiny and c.gpu_only)]
+    models = build_models(sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable}), out, tiny=tiny)
+    if ops is not None:
+        code = ops[0].wait()
+        print(f"DeepSpeed ops (fused Adam, CPU Adam) {'built' if code == 0 else 'FAILED, see ops.log'} "
+              f"in {time.monotonic() - ops[1]:.0f} s", flush=True)
+    rows = []
+    for case in cases:
+        layers = layers_of[case.name]
+        if tiny and case.gpu_only:
+            rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
+            continue
+        try:
+            rows.append(run_case(
+                case, root, out, models[(case.arch, case.family, layers)], layers=layers,
+                steps=args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
+                seq_len=args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
+                micro_batch=args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
+                save=args.save, timeout=args.case_timeout, extra=tuple(shlex.split(args.extra))))
+        except Exception as err:  # one broken case must not lose the others' summary
+            rows.append({"case": case.name, "recipe": case.recipe, "status": "failed", "error": repr(err)})
+        # after every case: what finished is on disk even if the next one takes the machine down
+        (out / "summary.json").write_text(json.dumps({"tiny": tiny, "gpu": info, "cases": rows}, indent=2) + "\n")
     print("\n" + summary_table(rows))
     for r in rows:
         if r["status"] == "skipped":
             print(f"{r['case']}: skipped, {r['reason']}")
         if "skipped_steps" in r:
             print(f"{r['case']}: fp16 loss scale {r.get('loss_scale')}, {r['skipped_steps']} overflow step(s) skipped")
-    failed = [r["case"] for r in rows if r["status"] == "failed"]
+    failed = [r["case"] for r in rows if r["status"] in ("failed", "timed out")]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} cases passed or were skipped; summary: {out / 'summary.json'}")
     return 1 if failed else 0

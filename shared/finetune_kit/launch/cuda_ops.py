@@ -11,7 +11,29 @@ checks nothing: CPU runs use DeepSpeed's CPU ops, which need only a C++ compiler
 
 from __future__ import annotations
 
+import os
+import re
+
 from finetune_kit.errors import ConfigError
+
+_ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[af](\+PTX)?$")  # 9.0a, 10.0f: arch-specific variants (PyTorch 2.8+)
+
+
+def jit_arch_list(environ=os.environ) -> str | None:
+    """Make ``TORCH_CUDA_ARCH_LIST`` readable by DeepSpeed's JIT builder, in ``environ``.
+
+    DeepSpeed 0.19 sorts the list as numbers and fails on ``9.0a`` ("invalid literal for int()
+    with base 10: '0a'"), which CUDA images for Hopper often set. Its ops use no arch-specific
+    instructions, so ``9.0a`` becomes ``9.0``. Returns a note when it changed the value, else None.
+    """
+    value = environ.get("TORCH_CUDA_ARCH_LIST", "")
+    parts = value.replace(";", " ").split()
+    fixed = [m.group(1) + (m.group(2) or "") if (m := _ARCH_SUFFIX.match(p)) else p for p in parts]
+    if fixed == parts:
+        return None
+    environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(fixed))
+    return (f"TORCH_CUDA_ARCH_LIST {value!r} -> {environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed's JIT build "
+            "(it cannot read arch suffixes)")
 
 
 def adam_op(ds_config: dict) -> str:
@@ -26,7 +48,8 @@ def check(ds_config: dict, *, quantized: bool = False) -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    found = [_deepspeed_op(adam_op(ds_config))]
+    found = [note] if (note := jit_arch_list()) else []
+    found.append(_deepspeed_op(adam_op(ds_config)))
     if quantized:
         found.append(_bitsandbytes())
     return found

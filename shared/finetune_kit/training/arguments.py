@@ -33,6 +33,8 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
                    help="keep all activations (faster, much more memory)")
     p.add_argument("--save-every", type=int, default=200,
                    help="checkpoint every N optimizer steps and at the last (0: none; the model is still saved)")
+    p.add_argument("--no-save-model", dest="save_model", action="store_false",
+                   help="skip the final model (or adapter) save: throughput checks and benchmarks")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest N kept (0: all)")
     p.add_argument("--resume", nargs="?", const="latest", default="auto",
                    help="auto (default): continue from the newest complete checkpoint in --output, or start fresh "

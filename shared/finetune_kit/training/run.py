@@ -444,7 +444,7 @@ class TrainingRun:
 
     # ---- 5. the end ----
 
-    def finish(self, model, *, saved_to: Path, seen_ids: list[int] | None = None, details: dict | None = None,
+    def finish(self, model, *, saved_to: Path | None, seen_ids: list[int] | None = None, details: dict | None = None,
                training: dict | None = None) -> None:
         """Evaluate (when not done per epoch), then write ``run_record.json`` and ``run_info.json``
         and print the summary; leave the process group. Every rank calls it.
@@ -496,13 +496,13 @@ class TrainingRun:
                 resumed_from=str(self.resume_from or ""), eval_loss=final.get("eval_loss"),
                 eval_accuracy=final.get("eval_accuracy"), evals=self.evals,
                 train_examples=self.train_examples, eval_example_ids=self.eval_example_ids,
-                max_seq_len=args.max_seq_len, micro_batch_size=micro, grad_accum=accum, saved_to=str(saved_to),
+                max_seq_len=args.max_seq_len, micro_batch_size=micro, grad_accum=accum, saved_to=str(saved_to or ""),
                 peak_memory=peaks.peaks(), memory_plan=self.memory_plan.to_dict(), ranks=ranks,
                 details=details or {}, finished_at=record.now(),
             ).write(self.output / "run_info.json")
             evaluated = f"validation {describe_eval(final)}" if final else "no validation split"
             print(f"done: {self.position.step} steps, {evaluated}, {self.meter.total_tokens:,} tokens trained "
-                  f"in this session, {Path(saved_to).name} saved to {saved_to}\n"
+                  f"in this session, {f'{Path(saved_to).name} saved to {saved_to}' if saved_to else 'nothing saved'}\n"
                   f"per-step loss, tokens/s and memory: {self.output / 'metrics.jsonl'}; "
                   f"run record: {self.output / 'run_record.json'}")
         # Every rank leaves the process group together, before the interpreter exits: a rank that tears
