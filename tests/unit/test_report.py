@@ -67,3 +67,30 @@ def test_check_finds_results_from_any_folder_in_the_repository(monkeypatch, tmp_
     monkeypatch.chdir(tmp_path)
     assert report.main(["--check"]) == 2
     assert "pass --results" in capsys.readouterr().err
+
+
+def _ablation_record(monkeypatch, tmp_path, micro_batch: int, step_time: float, checkpointing: bool = True):
+    rec = a_record(monkeypatch, tmp_path)
+    rec.training.engine, rec.training.grad_accum, rec.training.seq_len = None, 1, 4096
+    rec.training.micro_batch_size, rec.training.gradient_checkpointing = micro_batch, checkpointing
+    rec.measured.step_time_s = step_time
+    return f"mb{micro_batch}", rec
+
+
+def test_step_time_fit_recovers_the_fixed_and_per_sequence_parts(monkeypatch, tmp_path):
+    line = {1: 0.5, 2: 0.65, 4: 0.95}  # 0.35 s per step + 0.15 s per sequence
+    records = [_ablation_record(monkeypatch, tmp_path, mb, t) for mb, t in line.items()]
+    fixed, per_seq = report.step_time_fit(records)
+    assert (fixed, per_seq) == (pytest.approx(0.35), pytest.approx(0.15))
+    # unlike runs (no checkpointing) stay out of the fit; with two micro-batch sizes left there is none
+    records[-1] = _ablation_record(monkeypatch, tmp_path, 4, 9.9, checkpointing=False)
+    assert report.step_time_fit(records) is None
+    section = "\n".join(report.ablation_table(records[:2]))
+    assert "| `mb2` | deepspeed | 4,096 | 2 | on | 0.650 |" in section and "least-squares" not in section
+
+
+def test_planner_table_states_the_error_against_both_peaks(monkeypatch, tmp_path):
+    rec = a_record(monkeypatch, tmp_path)  # peaks 40.0 allocated, 44.0 reserved
+    rec.measured.predicted_gpu_GiB = 46.2
+    row = [line for line in report.planner_table([("r", rec)]) if line.startswith("| `r`")][0]
+    assert row.endswith("| 46.2 | 40.0 | 44.0 | 15.5 | 5.0 |")
