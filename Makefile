@@ -62,7 +62,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
-	memory-tables image lock gpu-check wheelhouse monitor monitor-down clean
+	memory-tables image lock gpu-check gpu-bundle wheelhouse monitor monitor-down clean
 
 help: ## this list
 	@echo "make <target> [VARIABLE=value ...]"
@@ -113,6 +113,12 @@ gpu-check: ## every recipe on one GPU: real shapes, tokens/s, MFU, memory vs the
 WHEELHOUSE ?= $(CURDIR)/wheelhouse
 wheelhouse: ## wheels of the pinned stack for offline hosts (WHEELHOUSE=dir; NO_TORCH=1: the host has torch)
 	bash docker/build-wheelhouse.sh $(if $(NO_TORCH),--no-torch) "$(WHEELHOUSE)"
+
+# The few wheels a GPU image with its own CUDA torch lacks (about 23 MB): carry them to an offline host.
+GPU_BUNDLE ?= $(CURDIR)/gpu-bundle
+CUDA ?= 130
+gpu-bundle: ## wheels a GPU host with its own torch lacks, for an offline check (GPU_BUNDLE=dir, CUDA=130)
+	bash docker/build-gpu-bundle.sh --cuda $(CUDA) "$(GPU_BUNDLE)"
 
 # The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
 RECIPE ?= llama3-8b-zero3

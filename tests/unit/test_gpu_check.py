@@ -187,3 +187,50 @@ def test_bitsandbytes_without_its_cuda_library_is_named(monkeypatch):
     monkeypatch.setattr(cextension, "lib", cextension.ErrorHandlerMockBNBNativeLibrary("libcudart.so.12 not found"))
     with pytest.raises(ConfigError, match=r"bitsandbytes .* found no CUDA library"):
         cuda_ops._bitsandbytes()
+
+
+def test_preflight_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
+    """No launcher on PATH, no toolchain, a too-old transformers and a full disk: one list, all named."""
+    from torch.utils import cpp_extension
+    from transformers import PreTrainedModel
+
+    from finetune_kit.gpu_check import preflight
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no accelerate, deepspeed, c++ or g++
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    found = preflight.problems(CASES, tmp_path / "out", gpu=True, model_bytes=2**60, gpu_used_GiB=5.0,
+                               environ={})
+    text = "\n".join(found)
+    for expected in ("'accelerate' is not on PATH", "'deepspeed' is not on PATH",
+                     "no activation_checkpointing_enable",
+                     "nvcc not found", "ninja not found", "no C++ compiler", "Python.h", "in use before the check",
+                     "the models need"):
+        assert expected in text, (expected, text)
+
+
+def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
+    import os
+    import sys
+
+    from finetune_kit.gpu_check import preflight
+
+    # the stack's launchers live beside its Python
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    cpu_cases = [c for c in CASES if not c.gpu_only]
+    assert preflight.problems(cpu_cases, tmp_path, gpu=False, model_bytes=2**20) == []
+
+
+def test_a_librarys_own_requirements_are_checked_against_what_is_installed(monkeypatch):
+    """An image's older pyarrow under the pinned datasets: named with both versions."""
+    from finetune_kit.gpu_check import preflight
+
+    real = preflight.metadata.requires
+    monkeypatch.setattr(preflight.metadata, "requires",
+                        lambda name: ["pyarrow>=999.0", 'tomli; python_version < "3.0"'] if name == "datasets"
+                        else real(name))
+    found = preflight.requirement_problems(["datasets"])
+    assert len(found) == 1 and found[0].startswith("datasets ")
+    assert "needs pyarrow>=999.0; installed: pyarrow " in found[0]

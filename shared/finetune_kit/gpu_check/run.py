@@ -28,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+from finetune_kit.gpu_check import preflight
 from finetune_kit.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
-from finetune_kit.gpu_check.models import build_model, write_data
+from finetune_kit.gpu_check.models import build_model, check_shape, write_data
 from finetune_kit.planning.cli import text_table
 from finetune_kit.repo.paths import find_root
 
@@ -57,13 +58,17 @@ def gpu_memory() -> dict | None:
         return None
 
 
+def model_folder(out: Path, arch: str, layers: int, tiny: bool) -> Path:
+    return out / "models" / (f"{arch}-{layers}-layers" + ("-tiny" if tiny else ""))
+
+
 def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path]:
     """Every case's model, each built in a process of its own: whatever GPU memory the random init
     took goes back to the driver when that process ends, before any case trains."""
     ctx = multiprocessing.get_context("spawn")
     paths = {}
     for arch, family, layers in specs:
-        folder = out / "models" / (f"{arch}-{layers}-layers" + ("-tiny" if tiny else ""))
+        folder = model_folder(out, arch, layers, tiny)
         start = time.monotonic()
         proc = ctx.Process(target=build_model, args=(arch, family, layers, folder), kwargs={"tiny": tiny})
         proc.start()
@@ -206,6 +211,18 @@ def main(argv=None) -> int:
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
     cases = [BY_NAME[n] for n in names]
     layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
+    runnable = [c for c in cases if not (tiny and c.gpu_only)]
+    specs = sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable})
+    unbuilt = [(a, n) for a, _, n in specs if not (model_folder(out, a, n, tiny) / "config.json").is_file()]
+    found = preflight.problems(runnable, out, gpu=gpu and not tiny,
+                               model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
+                               gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None)
+    if found:
+        print("error: this host is not ready for the GPU check; nothing was built or run:", file=sys.stderr)
+        for problem in found:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    print(f"preflight: {len(runnable)} case(s) ready", flush=True)
     ops = None
     if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
         from finetune_kit.launch.cuda_ops import jit_arch_list
@@ -215,8 +232,7 @@ def main(argv=None) -> int:
         ops_log = (out / "ops.log").open("w")
         ops = (subprocess.Popen([sys.executable, "-c", OPS], stdout=ops_log, stderr=subprocess.STDOUT),
                time.monotonic())
-    runnable = [c for c in cases if not (tiny and c.gpu_only)]
-    models = build_models(sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable}), out, tiny=tiny)
+    models = build_models(specs, out, tiny=tiny)
     if ops is not None:
         code = ops[0].wait()
         print(f"DeepSpeed ops (fused Adam, CPU Adam) {'built' if code == 0 else 'FAILED, see ops.log'} "
