@@ -89,6 +89,19 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
         instructions.load_rows(str(path))
 
 
+@pytest.mark.parametrize("suffix, text", [
+    (".jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n'),
+    (".csv", "prompt,response\na,b\nc,d\n"),
+])
+def test_a_file_saved_with_a_byte_order_mark_is_read(suffix, text, tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark first: the rows read as without it."""
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    rows = instructions.load_rows(str(path))
+    assert rows.format.name == "prompt-response" and rows.rows.column_names == ["prompt", "response"]
+    assert [dict(r) for r in rows.rows] == [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+
+
 def test_unknown_shape_names_its_columns_and_the_formats(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "a", "answer": "b"}])
     with pytest.raises(DataError, match=r"\['question', 'answer'\].*messages: messages.*alpaca: instruction \+ output"

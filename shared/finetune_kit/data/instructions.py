@@ -89,15 +89,16 @@ def _read(source: str, split: str):
 
 
 def check_jsonl(path: Path) -> None:
-    """Every line of a JSONL file is UTF-8 and one JSON object, and there is at least one;
-    else DataError naming the line (``datasets`` reports neither)."""
+    """Every line of a JSONL file is UTF-8 (a byte-order mark first is fine) and one JSON object, and
+    there is at least one; else DataError naming the line (``datasets`` reports neither)."""
     import json
 
     count = 0
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # a byte-order mark opens files saved by Windows editors; datasets reads past it
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise DataError(f"data file '{path}', line {number}: not UTF-8 text ({err.reason} at byte "
                                 f"{err.start} of the line). Re-encode the file as UTF-8, e.g. "
