@@ -15,9 +15,15 @@
 A recipe needs a handful of names, importable from here without loading torch until used.
 """
 
+import logging
 from importlib import import_module
 
 __version__ = "0.1.0"
+
+# bitsandbytes, on a CPU with AVX512-BF16, tries a 4-bit kernel it would download from the Hugging
+# Face hub (the `kernels` package) and warns in every process when that package is missing. The
+# recipes download nothing at run time and bitsandbytes' own CPU kernel runs instead: not news.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 _EXPORTS = {
     "TrainingRun": "finetune_kit.training.run",
