@@ -129,7 +129,9 @@ def test_loss_falls_and_matches_golden(run):
     got = losses(run)
     assert len(got) == STEPS
     assert sum(got[-2:]) / 2 < got[0] - 0.03, got
-    assert_matches_golden(got, GOLDEN, STEPS)
+    # the classifier's loss moves in steps of 2**-10 here (bf16 logits of a two-class head); AVX2 instead
+    # of AVX-512 moved it by one step (9.8e-4), so this golden allows five
+    assert_matches_golden(got, GOLDEN, STEPS, atol=5e-3)
 
 
 def test_metrics_carry_throughput_and_memory(run):

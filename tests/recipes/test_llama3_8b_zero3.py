@@ -133,6 +133,20 @@ def test_losses_match_golden(run):
     assert_matches_golden(losses(run), GOLDEN, STEPS)
 
 
+@pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="would rewrite the golden file with its losses")
+def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tiny_llama3, tmp_path):
+    """The golden comparison's negative control: the same run with a 1% higher learning rate fails it."""
+    output = tmp_path / "lr-plus-1-percent"
+    args = ["1.01e-3" if arg == "1e-3" else arg for arg in sizes(tiny_llama3)]
+    proc = launch(recipe_copy, *args, "--output", str(output), "--max-steps", str(STEPS), "--save-every", "0")
+    assert_finished(proc, STEPS)
+    got = losses(output)
+    want = json.loads(GOLDEN.read_text())["losses"]
+    print("largest |loss - golden| at lr x 1.01:", max(abs(a - b) for a, b in zip(got, want, strict=True)))
+    with pytest.raises(AssertionError):
+        assert_matches_golden(got, GOLDEN, STEPS)
+
+
 def test_metrics_carry_throughput_and_memory(run):
     assert_throughput_metrics(run)
 
