@@ -301,9 +301,10 @@ def test_offload_config_trains_with_cpu_adam(run, short_run):
 
 
 def test_fp16_config_carries_the_seeds_loss_scaler():
-    """fp16 cannot run on CPU (DeepSpeed: "Type fp16 is not supported on your device"), so its
-    config is checked by DeepSpeed's parser (also in tests/unit/test_launch_checks.py)."""
-    from deepspeed.accelerator import get_accelerator
+    """The fp16 config as DeepSpeed's parser reads it, on every CPU (also in
+    tests/unit/test_launch_checks.py). DeepSpeed trains fp16 on a CPU only where oneDNN has fp16
+    kernels (AVX512-FP16 or AMX-FP16); an fp16 run itself is a case of the GPU check
+    (llama2-13b-zero2-fp16), measured in results/."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     raw = json.loads((RECIPE / "configs/zero2-fp16.json").read_text())
@@ -312,7 +313,6 @@ def test_fp16_config_carries_the_seeds_loss_scaler():
     assert fp16.enabled and not DeepSpeedConfig(raw).bfloat16_config.enabled
     assert (fp16.loss_scale, fp16.loss_scale_window, fp16.initial_scale_power, fp16.hysteresis,
             fp16.min_loss_scale) == (0, 1000, 16, 2, 1)  # 0: dynamic, starting at 2**16
-    assert not get_accelerator().is_fp16_supported()  # why this test stops at the parser
 
 
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recipe_copy, tiny_llama2, tmp_path):
