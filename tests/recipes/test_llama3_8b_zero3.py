@@ -279,8 +279,12 @@ def test_fsdp2_consolidated_model_is_the_trained_model(fsdp_run, tiny_llama3):
     assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
 
 
-@pytest.mark.parametrize("nproc", [2, 1])
-def test_fsdp2_checkpoint_resumes_exactly(nproc, fsdp_run, recipe_copy, tiny_llama3, tmp_path):
+# On the same 2 ranks the resume repeats the uninterrupted run's arithmetic: exact. On 1 rank the
+# gradients of a step are summed in another order (4 local micro-batches, not 2 per rank reduced
+# across ranks): like ZeRO-3's resume on another number of ranks, within 5e-4 (ZeRO-3 measured
+# 1.1e-4; FSDP2 on 1 rank 0 on an AVX512-BF16 CPU, above 1e-5 on an AMX one).
+@pytest.mark.parametrize("nproc, atol", [(2, 0.0), (1, 5e-4)], ids=["2-ranks-exact", "1-rank"])
+def test_fsdp2_checkpoint_resumes(nproc, atol, fsdp_run, recipe_copy, tiny_llama3, tmp_path):
     """The step-4 sharded checkpoint, resumed on 2 ranks and on 1 (torch.distributed.checkpoint
     reshards on load; the global batch kept: 1 x 4 x 4 is 2 x 4 x 2): the losses of steps 5-8 are
     the uninterrupted run's; the schedule is counted in optimizer steps, not ranks' steps."""
@@ -291,7 +295,7 @@ def test_fsdp2_checkpoint_resumes_exactly(nproc, fsdp_run, recipe_copy, tiny_lla
                   config=FSDP_CONFIG, nproc=nproc)
     assert_finished(proc, STEPS, f"FSDP2 resume on {nproc}")
     assert f"at step {SAVE_EVERY}" in proc.stdout
-    assert_resumed_like_uninterrupted(fsdp_run, output, SAVE_EVERY, STEPS, atol=1e-5)
+    assert_resumed_like_uninterrupted(fsdp_run, output, SAVE_EVERY, STEPS, atol=atol)
     assert [m["lr"] for m in read_metrics(output)] == pytest.approx([m["lr"] for m in read_metrics(fsdp_run)][4:])
 
 
