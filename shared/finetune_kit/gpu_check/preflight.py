@@ -80,26 +80,24 @@ def library_problems(cases: list[Case]) -> list[str]:
 def toolchain_problems(environ=os.environ) -> list[str]:
     """What DeepSpeed's JIT build of its CUDA ops needs."""
     import torch
+    from deepspeed.ops.op_builder.builder import installed_cuda_version
     from torch.utils import cpp_extension
 
+    from finetune_kit.launch.cuda_ops import check_nvcc
+
     found = []
-    cuda_home = cpp_extension.CUDA_HOME
-    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else None
-    if nvcc is None or not nvcc.is_file():
-        found.append("nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin/ on PATH)")
+    try:
+        nvcc = "{}.{}".format(*installed_cuda_version())  # what DeepSpeed's build will read
+    except Exception as err:  # DeepSpeed raises its own MissingCUDAException
+        found.append(f"nvcc not found ({err}): set CUDA_HOME or put the CUDA toolkit's bin/ on PATH")
     else:
-        import subprocess
-
-        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
-        release = out.split("release ")[-1].split(",")[0] if "release " in out else "?"
         try:
-            from finetune_kit.launch.cuda_ops import check_nvcc
-
-            check_nvcc(release, torch.version.cuda, "fused_adam")
+            check_nvcc(nvcc, torch.version.cuda, "fused_adam")
         except ConfigError as err:
             found.append(str(err))
-        if not Path(cuda_home, "include", "cuda_runtime.h").is_file():
-            found.append(f"the CUDA headers are missing: no {Path(cuda_home, 'include', 'cuda_runtime.h')}")
+        headers = Path(cpp_extension.CUDA_HOME, "include", "cuda_runtime.h")
+        if not headers.is_file():
+            found.append(f"the CUDA headers are missing: no {headers}")
     if not cpp_extension.is_ninja_available():
         found.append("ninja not found: pip install ninja (DeepSpeed's JIT build needs it)")
     compiler = environ.get("CXX") or "c++"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,10 +169,8 @@ def step_time_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] |
               and r.training.grad_accum == 1 and r.training.seq_len == 4096 and r.measured.step_time_s]
     if len({x for x, _ in points}) < 3:
         return None
-    n = len(points)
-    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    return mean_y - slope * mean_x, slope
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return intercept, slope
 
 
 def ablation_table(records: list[tuple[str, RunRecord]]) -> list[str]:
