@@ -37,6 +37,9 @@ TRAIN_ARGS ?=
 # empty. `make monitor` scrapes them (docker/monitoring). The prefix works on the host and in a container.
 METRICS_PORT ?=
 with_metrics = $(if $(METRICS_PORT),env FINETUNE_METRICS_PORT=$(METRICS_PORT))
+# Every launch goes through `python -m finetune_kit.check`: the recipe's inputs are checked once before any
+# rank starts (a bad one is one line), and a bad input a rank finds later is the launch's last line.
+checked = $(if $(CONTAINER),python,$(PYTHON)) -m finetune_kit.check
 # $(call in_container,image,model,data files,output folder): the `docker run ...` prefix, or nothing.
 # Each folder is mounted once (a data folder that is also the model or output folder is not repeated).
 in_container = $(if $(CONTAINER),mkdir -p "$(abspath $(4))" "$(HF_CACHE)" && $(CONTAINER) run --rm $(GPU_FLAGS) \
@@ -98,7 +101,7 @@ recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=.
 	@if [ -n "$(LAUNCH_CONFIG)" ]; then cfg=$(LAUNCH_CONFIG); elif [ "$(NUM_GPUS)" = "1" ]; then \
 	  cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
 	$(call in_recipe,$(RECIPE_8B)) set -x && $(call in_container,llama3-8b-zero3,$(MODEL),$(DATA),$(OUTPUT)) \
-	  $(with_metrics) accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
+	  $(with_metrics) $(checked) accelerate launch --config_file $$cfg --num_processes $(NUM_GPUS) \
 	  train.py --model "$(call local_or_hub,$(MODEL))" --data "$(call local_or_hub,$(DATA))" \
 	  --output "$(abspath $(OUTPUT))" $(TRAIN_ARGS)
 
@@ -163,7 +166,7 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
 	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
-	  $(with_metrics) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
 	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
@@ -181,7 +184,7 @@ else
 	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.launch.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
 	  --node-rank $(NODE_RANK)
 	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
-	cd $(RECIPE_70B) && set -x && $(with_metrics) accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
+	cd $(RECIPE_70B) && set -x && $(with_metrics) $(checked) accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
 	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
 	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))" $(TRAIN_ARGS)
 endif

@@ -176,7 +176,8 @@ def demo(session: nox.Session) -> None:
         session.log(f"removing the previous demo run in {output}")
         shutil.rmtree(output)
     session.chdir(ROOT / "recipes/llama3-8b-zero3")
-    session.run(
+    session.run(  # the README's launch command, its inputs checked once first (finetune_kit.check)
+        python, "-m", "finetune_kit.check",
         str(STACK / "bin/accelerate"), "launch", "--config_file", "configs/zero3.yaml", "--num_processes", "2",
         "train.py", "--model", str(model),
         "--data", str(ROOT / "shared/finetune_kit/data/samples/instructions.jsonl"),

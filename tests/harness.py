@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -139,6 +140,19 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def checked(launch: list[str], *check_args: str) -> list[str]:
+    """``python -m finetune_kit.check [check_args] <launch>``: the inputs checked once, then the launch."""
+    return [sys.executable, "-m", "finetune_kit.check", *check_args, *launch]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, pattern: str, status: int) -> None:
+    """Exit ``status``, and the launch's output ends with ``error: <pattern>``, said once."""
+    assert proc.returncode == status, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert re.fullmatch(f"error: {pattern}", last), proc.stderr[-4000:]
+    assert (proc.stdout + proc.stderr).count("error: ") == 1, proc.stderr[-4000:]
+
+
 def script_command(*args: str, launcher: str = "deepspeed", nproc: int = 2) -> list[str]:
     """``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` on train.py, free port."""
     port = str(free_port())
@@ -181,11 +195,11 @@ def assert_finished(proc: subprocess.CompletedProcess, steps: int | None = None,
 
 
 def assert_failed_early(proc: subprocess.CompletedProcess, *messages: str) -> None:
-    """A non-zero exit with one ``error:`` line naming ``messages``, and no Python traceback."""
+    """A non-zero exit with one ``error:`` line (rank 0's) naming ``messages``, and no Python traceback."""
     assert proc.returncode != 0
     for text in messages:
         assert text in proc.stderr, proc.stderr[-4000:]
-    assert "error: " in proc.stderr
+    assert proc.stderr.count("error: ") == 1, proc.stderr[-4000:]
     assert "[rank0]: Traceback" not in proc.stderr  # the script exits with the message alone
 
 

@@ -92,14 +92,20 @@ def parse_args(argv=None) -> tuple[RecipeArguments, dict]:
     return recipe, {k: v for k, v in values.items() if k not in names}
 
 
-def main(argv=None) -> None:
+def preflight(argv=None):
+    """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
+    runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     recipe, trainer_kwargs = parse_args(argv)
-
-    # ---- 1. Check every input before any process group, data or weights (seconds) ----
     if recipe.data is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     run = TrainingRun.preflight_trainer(RECIPE, recipe, trainer_kwargs, zero_stage=2, configs=CONFIGS)
     rows = data.load_rows(recipe.data, recipe.data_format, recipe.prompt_field, recipe.response_field)
+    return recipe, trainer_kwargs, run, rows
+
+
+def main(argv=None) -> None:
+    # ---- 1. Check every input before any process group, data or weights (seconds) ----
+    recipe, trainer_kwargs, run, rows = preflight(argv)
 
     # ---- 2. TrainingArguments (fills the JSON's "auto" values); the process group starts here ----
     args = TrainingArguments(**{**trainer_kwargs, **TRAINER_FIXED, **trainer_cpu_overrides()})

@@ -57,10 +57,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def preflight(argv=None):
+    """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
+    runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args = parse_args(argv)
-
-    # ---- 1. Check every input before any process group, data or weights (seconds) ----
     qlora.check_zero3_settings(dtype=args.dtype, quant_storage=args.quant_storage, device_map=args.device_map)
     targets = qlora.parse_targets(args.lora_targets)
     run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH, configs=": use configs/zero3.json.",
@@ -70,6 +70,12 @@ def main(argv=None) -> None:
                                                    "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
                                                            f"targets {args.lora_targets}"})
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
+    return args, targets, run, rows, counts
+
+
+def main(argv=None) -> None:
+    # ---- 1. Check every input before any process group, data or weights (seconds) ----
+    args, targets, run, rows, counts = preflight(argv)
 
     # ---- 2. Distributed setup: the nodes agree on the job's shape, then the YAML + JSON drive everything ----
     multinode.handshake(args.rendezvous_timeout)

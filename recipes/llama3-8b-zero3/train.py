@@ -41,13 +41,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def preflight(argv=None):
+    """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
+    runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args = parse_args(argv)
-
-    # ---- 1. Check every input before any process group, data or weights (seconds) ----
     run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH,
                                 configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
+    return args, run, rows
+
+
+def main(argv=None) -> None:
+    # ---- 1. Check every input before any process group, data or weights (seconds) ----
+    args, run, rows = preflight(argv)
 
     # ---- 2. Distributed setup: the accelerate YAML (+ DeepSpeed JSON, or FSDP2) drives everything ----
     accelerator = run.start()

@@ -126,6 +126,13 @@ def test_training_in_the_container_matches_the_host_golden_losses(container_run)
     assert_matches_golden(losses(container_run["output"]), GOLDEN, STEPS)
 
 
+def test_the_make_target_checks_the_inputs_once_before_the_launch(container_run):
+    log = container_run["log"]
+    assert "finetune_kit.check accelerate launch" in log  # make's echo of the command (set -x)
+    assert log.count("inputs checked: train.py, 2 processes on 1 node (accelerate launch, DeepSpeed config "
+                     "configs/zero3.json); launching") == 1, log[-3000:]
+
+
 def test_the_output_lands_on_the_host_owned_by_the_image_user(container_run):
     output = container_run["output"]
     for made in ("model/config.json", "run_record.json", "metrics.jsonl", f"checkpoints/step_{STEPS:06d}"):

@@ -30,15 +30,18 @@ from tests.harness import (
     SAMPLES,
     assert_finished,
     assert_matches_golden,
+    assert_one_line_error,
     assert_ranks_disjoint,
     assert_resumed_like_uninterrupted,
     bad_input_args,
+    checked,
     free_port,
     launch_env,
     losses,
     read_metrics,
     read_run_info,
     run_and_signal,
+    run_command,
     sample_examples,
     script_command,
     script_launch,
@@ -334,6 +337,19 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
 
     assert_finished(launch(recipe_copy, *args[2:]), STEPS, "relaunch")
     assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_the_check_says_a_bad_input_in_one_line_under_either_launcher(launcher, recipe_copy, tiny_llama2, tmp_path):
+    """The README's commands behind `python -m finetune_kit.check`: the check reads the deepspeed
+    and torchrun command lines too, and a bad input is the whole output, exit 2."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    args = ["--deepspeed", "configs/zero2.json", *sizes(tiny_llama2), "--output_dir", str(tmp_path / "out")]
+    args[args.index(str(SAMPLE))] = str(data)
+    proc = run_command(checked(script_command(*args, launcher=launcher)), recipe_copy, timeout=300)
+    assert_one_line_error(proc, r"data '.*d\.jsonl' has the columns \['prompt', 'answer'\], which match no known "
+                                r"format .*", status=2)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case, pattern", [

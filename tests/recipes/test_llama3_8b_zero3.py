@@ -34,17 +34,20 @@ from tests.harness import (
     assert_failed_early,
     assert_finished,
     assert_matches_golden,
+    assert_one_line_error,
     assert_ranks_disjoint,
     assert_refused_to_overwrite,
     assert_resumed_like_uninterrupted,
     assert_throughput_metrics,
     bad_input_args,
+    checked,
     free_port,
     launch_env,
     losses,
     read_metrics,
     read_run_info,
     run_and_signal,
+    run_command,
     sample_examples,
 )
 
@@ -477,6 +480,40 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/bad.yaml")
     assert_failed_early(proc, "train_batch_size = 64", "= 16")
     assert not (tmp_path / "out").exists()  # failed before anything was written
+
+
+def test_the_check_says_a_bad_input_in_one_line_and_starts_no_rank(recipe_copy, tiny_llama3, tmp_path):
+    """`python -m finetune_kit.check <the README's launch command>`: the inputs are checked once,
+    here, and a bad one is the whole output, exit 2."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "b"}])
+    launch = accelerate_command(*sizes(tiny_llama3, data), "--output", str(tmp_path / "out"),
+                                config="configs/zero3.yaml")
+    proc = run_command(checked(launch), recipe_copy, timeout=300)
+    assert_one_line_error(proc, r"data '.*d\.jsonl' has the columns \['prompt', 'answer'\], which match no known "
+                                r"format .*", status=2)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_check_ends_a_launch_with_the_error_a_rank_found(recipe_copy, tiny_llama3, tmp_path):
+    """A bad input only the ranks can see (here: too little data for one optimizer step, known once
+    the data is tokenized) is said by rank 0 alone, and is the launch's last line, after the
+    launcher's report of the failed ranks."""
+    launch = accelerate_command(*sizes(tiny_llama3), "--grad-accum", "1000", "--output", str(tmp_path / "out"),
+                                config="configs/zero3.yaml")
+    proc = run_command(checked(launch), recipe_copy, timeout=300)
+    assert_one_line_error(proc, r"\d+ training examples make no full optimizer step of 4 x 1000 x 2 processes; .*",
+                          status=1)
+    assert "ChildFailedError" in proc.stderr  # the launcher's report came, and came before
+
+
+def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path):
+    launch = accelerate_command(*sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/fsdp2.yaml")
+    proc = run_command(checked(launch, "--check-only"), recipe_copy, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("inputs checked: train.py, 2 processes on 1 node (accelerate launch, FSDP); "
+                                         "nothing launched (--check-only)"), proc.stdout[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case, pattern", [

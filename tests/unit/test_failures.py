@@ -33,8 +33,9 @@ def test_run_main_exits_with_the_message(rank0, monkeypatch, capsys):
     def bad_input():
         raise DataError("data file 'x' does not exist")
 
-    with pytest.raises(SystemExit, match="error: data file 'x' does not exist"):
+    with pytest.raises(SystemExit) as stop:
         failures.run_main(bad_input)
+    assert stop.value.code == 1 and capsys.readouterr().err == "error: data file 'x' does not exist\n"
 
     def lost_peer():
         raise RuntimeError(GLOO_CLOSED)
@@ -49,6 +50,27 @@ def test_run_main_exits_with_the_message(rank0, monkeypatch, capsys):
 
     with pytest.raises(KeyError):
         failures.run_main(bug)
+
+
+def test_a_bad_input_is_said_by_the_first_rank_of_a_node_alone(rank0, monkeypatch, capsys, tmp_path):
+    err = DataError("data file 'x' does not exist")
+    slept = []
+    monkeypatch.setattr(failures.time, "sleep", slept.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    failures.report_bad_input(err)  # another rank of the node: silent, and leaves after the first
+    assert capsys.readouterr().err == "" and slept == [failures.SILENT_RANK_DELAY_S]
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    failures.report_bad_input(err)
+    assert capsys.readouterr().err == "error: data file 'x' does not exist\n"
+
+    # under `python -m finetune_kit.check`: to its file, which the check prints as the launch's last line
+    monkeypatch.setenv(failures.ERROR_FILE_VAR, str(tmp_path / "error.txt"))
+    failures.report_bad_input(err)
+    assert capsys.readouterr().err == "" and (tmp_path / "error.txt").read_text() == f"{err}\n"
+    monkeypatch.setenv(failures.ERROR_FILE_VAR, str(tmp_path / "no/such/folder/error.txt"))
+    failures.report_bad_input(err)  # no file to write: said on stderr after all
+    assert capsys.readouterr().err == "error: data file 'x' does not exist\n"
 
 
 @pytest.mark.parametrize("raw", ["0", "ten", "-5"])

@@ -4,7 +4,11 @@
 
 - success: a rank of a multi-process run exits 0 without the interpreter's finalisation (see
   :func:`run_main`);
-- bad input (:class:`~finetune_kit.errors.UserInputError`): ``error: <the message>``, exit 1;
+- bad input (:class:`~finetune_kit.errors.UserInputError`): the first rank of each node (global rank
+  0 on one node) says ``error: <the message>`` and every rank exits 1; the other ranks, which found
+  the same, stay silent (see :func:`report_bad_input`). Under ``python -m finetune_kit.check``
+  (``FINETUNE_ERROR_FILE`` set) that rank writes the message to the file instead, and the check
+  prints it as the launch's last line;
 - another rank gone: a collective failed because a peer closed its connection (its process died:
   an OOM, a kill, a node that went away) or did not answer within the collective timeout
   (``FINETUNE_COLLECTIVE_TIMEOUT_S``). This rank says so in one line and exits 1 at once, without
@@ -19,10 +23,18 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.launch import env
+
+ERROR_FILE_VAR = "FINETUNE_ERROR_FILE"  # where a bad input's message goes (set by finetune_kit.check)
+# How much later than the reporting rank the others leave on a bad input. A node's launcher stops all
+# its ranks as soon as one fails: the reporting rank must fail first, or it is killed before it has said
+# what was wrong.
+SILENT_RANK_DELAY_S = 2.0
 
 # What torch's gloo and NCCL backends say when a peer is gone or silent.
 BACKEND = re.compile(r"gloo|nccl", re.IGNORECASE)
@@ -48,8 +60,27 @@ def peer_failure(err: BaseException) -> str | None:
             f"same command on every node: it resumes from the newest complete checkpoint.\n  ({first})")
 
 
+def report_bad_input(err: UserInputError) -> None:
+    """Say ``err`` once per node (each node's launcher has its own log; on one node, once for the
+    job): local rank 0 writes it to ``FINETUNE_ERROR_FILE`` when the check set one, else prints
+    ``error: ...`` on stderr; the other ranks say nothing and wait ``SILENT_RANK_DELAY_S`` before they
+    exit."""
+    if env.view().local_rank != 0:
+        time.sleep(SILENT_RANK_DELAY_S)
+        return
+    path = os.environ.get(ERROR_FILE_VAR)
+    if path:
+        try:
+            Path(path).write_text(f"{err}\n")
+            return
+        except OSError:
+            pass  # no file to write after all: say it here
+    print(f"error: {err}", file=sys.stderr, flush=True)
+
+
 def run_main(main: Callable[[], None]) -> None:
-    """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1.
+    """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1
+    (bad input: one line per node, see :func:`report_bad_input`).
 
     A rank of a multi-process run that finished leaves with ``os._exit(0)`` once its output is
     flushed: the run has left its process group (``end_training``), but gloo's worker threads can
@@ -62,7 +93,8 @@ def run_main(main: Callable[[], None]) -> None:
         if stop.code not in (0, None):
             raise
     except UserInputError as err:
-        sys.exit(f"error: {err}")
+        report_bad_input(err)
+        sys.exit(1)
     except Exception as err:
         message = peer_failure(err)
         if message is None:
