@@ -78,6 +78,12 @@ def report_bad_input(err: UserInputError) -> None:
     print(f"error: {err}", file=sys.stderr, flush=True)
 
 
+def _process_group_up() -> bool:
+    """Whether this process is in a torch.distributed process group (torch imported only if it is)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist and dist.is_available() and dist.is_initialized())
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Run a recipe's ``main()``; end bad input and a lost peer with one clear line and exit status 1
     (bad input: one line per node, see :func:`report_bad_input`).
@@ -94,6 +100,9 @@ def run_main(main: Callable[[], None]) -> None:
             raise
     except UserInputError as err:
         report_bad_input(err)
+        if _process_group_up():  # found after the ranks met (too little data for a step): leave as below
+            sys.stdout.flush()
+            os._exit(1)
         sys.exit(1)
     except Exception as err:
         message = peer_failure(err)
