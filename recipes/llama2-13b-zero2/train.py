@@ -29,10 +29,13 @@ memory plan).
 import dataclasses
 from dataclasses import dataclass, field
 
+# First: the package quiets a bitsandbytes warning that importing the HF Trainer would print (it loads peft)
+from finetune_kit import TrainingRun, data, evaluate_loss, models, run_main
+
+# isort: split
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-from finetune_kit import TrainingRun, data, evaluate_loss, models, run_main
 from finetune_kit.errors import DataError
 from finetune_kit.launch.accelerator import trainer_cpu_overrides
 from finetune_kit.launch.env import collective_timeout_s

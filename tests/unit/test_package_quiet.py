@@ -24,3 +24,15 @@ def test_importing_bitsandbytes_after_the_package_prints_no_kernel_warning():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gemm_4bit_forward" not in proc.stdout + proc.stderr
+
+
+def test_no_recipe_import_prints_the_kernel_warning():
+    """Each recipe's train.py imports the package before anything that loads bitsandbytes (the HF
+    Trainer does, through peft). On CPUs without AVX512-BF16 this passes either way."""
+    from tests.harness import REPO
+
+    for train in sorted(REPO.glob("recipes/*/train.py")):
+        proc = subprocess.run([sys.executable, "-c", "import train"], cwd=train.parent, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "gemm_4bit_forward" not in proc.stdout + proc.stderr, train

@@ -82,10 +82,11 @@ class MeteringCallback(TrainerCallback):
             self.endpoint.update(record)
         if _reporting(args):  # the trackers log every figure under metrics.jsonl's names
             logs.update({k: v for k, v in record.items() if k not in (keys.STEP.key, keys.EPOCH.key)})
-        else:  # the console line: throughput and the memory headline
+        else:  # the console line: throughput, the memory headline and (fp16) the loss scaler's state
             logs[keys.TOKENS_PER_S.key] = round(self.rate.tokens_per_s, 1)
             metric, value = keys.memory_headline(record)
             logs[metric.key] = round(value, 2)
+            logs.update({k: record[k] for k in (keys.LOSS_SCALE.key, keys.SKIPPED_STEPS.key) if k in record})
         self.log.write(record)
 
     def on_train_end(self, args, state, control, **kwargs):
