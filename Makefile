@@ -80,8 +80,21 @@ $(NOX): docker/requirements.txt
 demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 	$(NOX) -s demo
 
+# make test runs noxfile.py's sessions in its order (TEST_SESSIONS, checked against it by a unit test). The
+# images of the last one build in the background, at the lowest CPU and disk priority, from when the shared
+# environment exists (after unit) while the recipes' sessions run; the image session then finds them in
+# podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
+TEST_SESSIONS := lint unit recipe-llama3-8b-zero3 recipe-llama3-8b-nvme recipe-llama2-13b-zero2 \
+  recipe-llama3-70b-qlora live-metrics gpu-check-cpu wheelhouse image
+low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
-	$(NOX)
+	@failed=0; $(NOX) -s lint unit || failed=1; \
+	$(low_priority) $(NOX) -s image-build > .nox/image-build.log 2>&1 & images=$$!; \
+	trap 'kill $$images 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s $(filter-out lint unit image,$(TEST_SESSIONS)) || failed=1; \
+	wait $$images || failed=1; cat .nox/image-build.log; \
+	$(NOX) -s image || failed=1; \
+	exit $$failed
 
 lint: $(NOX) ## ruff and hadolint
 	$(NOX) -s lint

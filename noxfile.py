@@ -49,9 +49,24 @@ def stack(session: nox.Session) -> dict[str, str]:
         session.run(sys.executable, "-m", "venv", str(STACK), external=True)
         session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", env=env, external=True)
         stamp.write_text(digest)
-    session.run(str(STACK / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
-                str(ROOT), env=env, external=True)
+    installed, source = STACK / "package.sha256", package_digest()
+    if not installed.is_file() or installed.read_text() != source:  # once per change of the package's files
+        session.run(str(STACK / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
+                    str(ROOT), env=env, external=True)
+        installed.write_text(source)
     return env
+
+
+def package_digest() -> str:
+    """A digest of what `pip install .` installs: sessions reinstall the package only when it changed,
+    so none rewrites it under another still running (make test builds the images alongside)."""
+    files = [ROOT / "pyproject.toml", ROOT / "README.md",
+             *(f for f in sorted((ROOT / "shared").rglob("*")) if f.is_file() and "__pycache__" not in f.parts
+               and not any(part.endswith(".egg-info") for part in f.parts))]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.relative_to(ROOT)}\0".encode() + f.read_bytes())
+    return digest.hexdigest()
 
 
 def run_in_stack(session: nox.Session, *args: str) -> None:
@@ -150,6 +165,13 @@ def image(session: nox.Session) -> None:
     Debian base standing in for the CUDA base, from a wheelhouse of the CPU lock; then the 8B recipe
     trains with 2 processes in the container (needs root and Debian's podman, installed if missing)."""
     run_in_stack(session, "pytest", "tests/container", *session.posargs)
+
+
+@nox.session(name="image-build", venv_backend="none", default=False)
+def image_build(session: nox.Session) -> None:
+    """The image session's two images built ahead (make test runs this in the background while the
+    recipes' sessions run; the image session then takes them from podman's layer cache)."""
+    run_in_stack(session, "python", "-m", "tests.container.images")
 
 
 @nox.session(default=False)

@@ -67,9 +67,31 @@ def debian_base(env: dict) -> tuple[str, str]:
     return TEST_BASE, found[0]
 
 
-def build(env: dict, dockerfile: str, tag: str, **build_args: str) -> subprocess.CompletedProcess:
+def build(env: dict, dockerfile: str, tag: str, **build_args: str) -> str:
     """``podman build`` from the repository root, never pulling and on the host network; the docker
-    format keeps the Dockerfile's SHELL (OCI images drop it)."""
+    format keeps the Dockerfile's SHELL (OCI images drop it). Returns the log of the build that made
+    the image: podman's layer cache makes a repeated build of unchanged files instant (make test
+    builds the images in the background first), so the log of the build whose steps ran is kept under
+    .nox/podman/build-logs, by image ID, and returned for a build served from the cache."""
     args = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
-    return podman(env, "build", "--format", "docker", "--pull=never", "--network", "host", "-f", dockerfile,
-                  *args, "-t", tag, str(REPO), timeout=BUILD_TIMEOUT_S)
+    command = ["build", "--format", "docker", "--pull=never", "--network", "host", "-f", dockerfile, *args, "-t", tag]
+    proc = podman(env, *command, str(REPO), timeout=BUILD_TIMEOUT_S)
+    logs = HOME / "build-logs"
+    logs.mkdir(exist_ok=True)
+    kept = logs / f"{podman(env, 'images', '--no-trunc', '--format', '{{.ID}}', tag).stdout.split()[0]}.log"
+    output = proc.stdout + proc.stderr
+    if ran_a_step(output):
+        kept.write_text(output)
+    elif not kept.is_file():  # made by a build whose log is gone: build it again, every step
+        proc = podman(env, *command, "--no-cache", str(REPO), timeout=BUILD_TIMEOUT_S)
+        output = proc.stdout + proc.stderr
+        kept = logs / f"{podman(env, 'images', '--no-trunc', '--format', '{{.ID}}', tag).stdout.split()[0]}.log"
+        kept.write_text(output)
+    return kept.read_text()
+
+
+def ran_a_step(build_log: str) -> bool:
+    """Whether a ``podman build`` ran any RUN, COPY or ADD step, rather than taking each from its cache."""
+    steps = ("\n" + build_log).split("\nSTEP ")[1:]
+    return any(step.split(":", 1)[1].split(maxsplit=1)[0] in ("RUN", "COPY", "ADD") and "--> Using cache" not in step
+               for step in steps)

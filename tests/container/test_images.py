@@ -7,22 +7,18 @@ mounted folders. What only a GPU host can prove (the CUDA base, nvcc, the CUDA o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from finetune_kit.repo.pins import read_pins
+from tests.container import images
 from tests.container import podman as pm
 from tests.harness import REPO, SAMPLES, assert_matches_golden, losses
 
-LOCK = "docker/requirements-cpu.lock"
-WHEELHOUSE = ".nox/image-wheelhouse"  # inside the build context (.dockerignore lets it through)
-BASE, RECIPE = "localhost/finetune-kit-base:ci", "localhost/llama3-8b-zero3:ci"
 GOLDEN = REPO / "tests/golden/llama3-8b-zero3.json"  # the host's 2-rank run with the same arguments
 STEPS, SAVE_EVERY = 8, 4
 TRAINER_UID = 1000
@@ -34,31 +30,13 @@ def env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse() -> str:
-    """The CPU lock's files for this platform, each checked against its hash; fetched again only
-    when the lock changes."""
-    house, stamp = REPO / WHEELHOUSE, REPO / WHEELHOUSE / ".lock.sha256"
-    digest = hashlib.sha256((REPO / LOCK).read_bytes()).hexdigest()
-    if not stamp.is_file() or stamp.read_text() != digest:
-        shutil.rmtree(house, ignore_errors=True)
-        subprocess.run(["bash", "docker/build-wheelhouse.sh", "--lock", LOCK, str(house)], cwd=REPO, check=True,
-                       timeout=900)
-        stamp.write_text(digest)
-    return WHEELHOUSE
-
-
-@pytest.fixture(scope="module")
-def base(env, wheelhouse) -> dict:
-    name, digest = pm.debian_base(env)
-    build = pm.build(env, "docker/Dockerfile", BASE, BASE_NAME=name, BASE_DIGEST=digest, LOCK=LOCK,
-                     WHEELHOUSE=wheelhouse, DS_ACCELERATOR="cpu", VERSION="ci")
-    return {"name": name, "digest": digest, "log": build.stdout + build.stderr}
+def base(env) -> dict:
+    return images.base(env)
 
 
 @pytest.fixture(scope="module")
 def recipe_image(env, base) -> str:
-    pm.build(env, "recipes/llama3-8b-zero3/Dockerfile", RECIPE, BASE_IMAGE=BASE)
-    return RECIPE
+    return images.recipe_image(env)
 
 
 def inspect(env, image: str) -> dict:
@@ -66,7 +44,7 @@ def inspect(env, image: str) -> dict:
 
 
 def test_the_base_records_its_base_by_digest_and_the_pinned_versions(env, base):
-    labels = inspect(env, BASE)["Labels"]
+    labels = inspect(env, images.BASE)["Labels"]
     assert labels["org.opencontainers.image.base.name"] == base["name"]
     assert labels["org.opencontainers.image.base.digest"] == base["digest"]
     pins = read_pins(REPO / "docker/requirements.txt")
