@@ -38,6 +38,9 @@ TFLOPS_PER_DEVICE = Metric("model_tflop_per_s_per_device", "TFLOP/s", "TFLOP/s/d
 MFU = Metric("mfu_percent", "%", "mfu", "model FLOPs utilisation against the dense bf16 peak (GPUs only)")
 GPU_ALLOCATED = Metric("gpu_allocated_GiB", "GiB", "gpu_allocated", "peak memory of live tensors (torch allocator)")
 GPU_RESERVED = Metric("gpu_reserved_GiB", "GiB", "gpu_reserved", "peak memory the torch allocator held from the GPU")
+GPU_DEVICE = Metric("gpu_device_GiB", "GiB", "gpu_device",
+                    "peak memory in use on the GPU as its driver reports it (NVML: CUDA context, NCCL and every "
+                    "allocator included), sampled at each logged step")
 HOST_RSS = Metric("host_rss_GiB", "GiB", "host_rss", "peak resident set size of the process")
 LOSS_SCALE = Metric("loss_scale", "1", "scale", "fp16 dynamic loss scale after the step (fp16 runs only)")
 SKIPPED_STEPS = Metric("skipped_steps", "steps", "skipped",
@@ -45,8 +48,9 @@ SKIPPED_STEPS = Metric("skipped_steps", "steps", "skipped",
 
 # metrics.jsonl columns, in order; absent ones (MFU on CPU, GPU memory without CUDA) are left out.
 STEP_METRICS = (STEP, EPOCH, LOSS, LR, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
-                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, HOST_RSS, LOSS_SCALE, SKIPPED_STEPS)
-MEMORY = (GPU_ALLOCATED, GPU_RESERVED, HOST_RSS)
+                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS, LOSS_SCALE,
+                SKIPPED_STEPS)
+MEMORY = (GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS)
 
 
 def loss_scaling(engine) -> dict[str, float]:

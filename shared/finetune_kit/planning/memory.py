@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import env
+from finetune_kit.launch import env, gpus
 from finetune_kit.launch.nvme import nvme_paths, param_buffers
 from finetune_kit.models.shapes import ModelShape, resolve_model
 
@@ -368,8 +368,8 @@ class Plan:
         s = self.setup
         gpu = f"{self.gpu_bytes / GiB:.1f} GiB per GPU"
         cpu = f"{self.host_bytes / GiB:.1f} GiB host RAM per node"
-        gpu_cap = "" if s.gpu_memory_GiB is None else f" of {s.gpu_memory_GiB:g}"
-        cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:g}"
+        gpu_cap = "" if s.gpu_memory_GiB is None else f" of {s.gpu_memory_GiB:.4g}"
+        cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:.4g}"
         if self.fits is None:
             return f"predicted {gpu}, {cpu}{cpu_cap} (no GPU capacity given: not checked)"
         if self.fits:
@@ -567,7 +567,9 @@ def setup_for_fsdp2(**fields) -> Setup:
 
 
 def local_gpu_memory_GiB() -> float | None:
-    """Total memory of this process's GPU (LOCAL_RANK) in GiB, or None without CUDA.
+    """Memory this process's GPU (LOCAL_RANK) has for the launch, in GiB: its free memory as the
+    driver reports it (what another process holds is not there to use), else its total; None
+    without CUDA.
 
     Asks for LOCAL_RANK's device by index: before the launcher's ranks pick their devices, the
     "current" device is GPU 0 for all of them.
@@ -579,7 +581,8 @@ def local_gpu_memory_GiB() -> float | None:
     if not torch.cuda.is_available():
         return None
     index = env.view().local_rank % torch.cuda.device_count()
-    return torch.cuda.get_device_properties(index).total_memory / GiB
+    info = gpus.memory_GiB(index)
+    return info["free"] if info else torch.cuda.get_device_properties(index).total_memory / GiB
 
 
 def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,

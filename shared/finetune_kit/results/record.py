@@ -84,6 +84,7 @@ class Measured(_Strict):
     step_time_s: float | None = None
     peak_gpu_allocated_GiB: float | None = None  # max over ranks
     peak_gpu_reserved_GiB: float | None = None  # max over ranks
+    peak_gpu_device_GiB: float | None = None  # NVML's used memory of the GPU, max over ranks
     peak_host_rss_GiB_per_node: float | None = None  # sum over a node's ranks, max over nodes
     predicted_gpu_GiB: float | None = None  # the memory planner's prediction, when run
 
