@@ -41,14 +41,15 @@ class StepReport:
         self._loss = torch.zeros(())
 
     def micro_batch(self, loss: torch.Tensor, batch: dict) -> None:
-        self._loss += loss.detach().float().cpu() / self.grad_accum
+        # summed where the loss is: no wait for the device until the step's figures are read
+        self._loss = self._loss.to(loss.device) + loss.detach().float() / self.grad_accum
         self.tally.add(batch)
 
     def optimizer_step(self, step: int, epoch: int, lr: float) -> dict:
         """Close the step (collectives: every rank calls it); return its metrics."""
         acc = self.accelerator
         loss = acc.reduce(self._loss.to(acc.device), "mean").item()
-        self._loss.zero_()
+        self._loss = torch.zeros(())
         own_tokens = self.tally.tokens
         rate = self.meter.step(**self.tally.reduce(acc))
         record = {keys.STEP.key: step, keys.EPOCH.key: epoch, keys.LOSS.key: loss, keys.LR.key: lr,

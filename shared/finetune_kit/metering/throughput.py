@@ -45,26 +45,43 @@ class StepRate:
 
 
 class StepTally:
-    """Real tokens, padded slots and model FLOPs of this rank's micro-batches in one step."""
+    """Real tokens, padded slots and model FLOPs of this rank's micro-batches in one step.
+
+    ``add`` only keeps the batch's mask or positions: they are counted when the step's figures are
+    read (``tokens``, ``reduce``), so a micro-batch on the GPU costs no wait for the device.
+    """
 
     def __init__(self, flop_counter: FlopCounter | None = None):
         self.flop_counter = flop_counter
+        self._pending: list[dict] = []
         self._zero()
 
     def _zero(self) -> None:
-        self.tokens, self.slots, self.flops = 0, 0, 0.0
+        self._tokens, self.slots, self.flops = 0, 0, 0.0
 
     def add(self, batch: dict) -> None:
-        """Count one collated micro-batch (``attention_mask``, or packed ``position_ids``)."""
-        real, slots, spans = token_spans(batch)
-        self.tokens += real
-        self.slots += slots
-        if self.flop_counter is not None:
-            self.flops += sum(self.flop_counter.batch(tokens, seq_len=length) for tokens, length in spans)
+        """Note one collated micro-batch (``attention_mask``, or packed ``position_ids``)."""
+        self._pending.append({k: batch[k] for k in ("attention_mask", "position_ids") if k in batch})
+
+    def _count(self) -> None:
+        for batch in self._pending:
+            real, slots, spans = token_spans(batch)
+            self._tokens += real
+            self.slots += slots
+            if self.flop_counter is not None:
+                self.flops += sum(self.flop_counter.batch(tokens, seq_len=length) for tokens, length in spans)
+        self._pending.clear()
+
+    @property
+    def tokens(self) -> int:
+        """This rank's real tokens in the step so far."""
+        self._count()
+        return self._tokens
 
     def reduce(self, accelerator=None) -> dict[str, float]:
         """Sums over all ranks (``accelerator.reduce``), then starts the next step at zero."""
-        values = torch.tensor([self.tokens, self.slots, self.flops], dtype=torch.float64)
+        self._count()
+        values = torch.tensor([self._tokens, self.slots, self.flops], dtype=torch.float64)
         if accelerator is not None and accelerator.num_processes > 1:
             values = accelerator.reduce(values.to(accelerator.device), "sum").cpu()
         self._zero()
