@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune_kit.gpu_check.cases import CASES, recipe_flags
+from finetune_kit.gpu_check import ablation
+from finetune_kit.gpu_check.cases import BY_NAME, CASES, recipe_flags
 from finetune_kit.gpu_check.models import build_model, check_config, check_shape, write_data
 from finetune_kit.launch import cuda_ops
 from finetune_kit.models.shapes import from_config, resolve_model
@@ -83,6 +84,28 @@ def test_every_case_passes_its_recipes_own_flag_parser(case, save, monkeypatch):
     else:
         assert (parsed.max_steps, parsed.save_every, parsed.max_seq_len, parsed.micro_batch_size) == (8, 0, 128, 2)
         assert parsed.save_model is save
+
+
+@pytest.mark.parametrize("variant", ablation.VARIANTS, ids=lambda v: v.name)
+def test_every_ablation_variant_passes_its_recipes_own_flag_parser(variant, monkeypatch):
+    case = BY_NAME[variant.case]
+    monkeypatch.chdir(REPO / "recipes" / case.recipe)
+    flags = recipe_flags(case, model="m", data="d.jsonl", output="o", steps=8, seq_len=128,
+                         micro_batch=variant.micro_batch or case.micro_batch, grad_accum=variant.grad_accum)
+    parsed = load_script(REPO / "recipes" / case.recipe / "train.py").parse_args([*flags, *variant.flags])
+    if case.trainer:
+        recipe, trainer = parsed
+        assert trainer["gradient_accumulation_steps"] == variant.grad_accum
+    else:
+        assert parsed.grad_accum == variant.grad_accum
+        assert parsed.gradient_checkpointing is ("--no-gradient-checkpointing" not in variant.flags)
+
+
+def test_ablation_speedups_are_against_each_cases_first_finished_row():
+    rows = [{"case": "a", "tokens_per_s_per_device": None}, {"case": "a", "tokens_per_s_per_device": 100.0},
+            {"case": "b", "tokens_per_s_per_device": 50.0}, {"case": "a", "tokens_per_s_per_device": 160.0}]
+    assert [r["speedup"] for r in ablation.speedups(rows)] == [None, 1.0, 1.0, 1.6]
+    assert len({v.name for v in ablation.VARIANTS}) == len(ablation.VARIANTS)
 
 
 def _stub_case(name: str, script: str):

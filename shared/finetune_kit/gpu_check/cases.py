@@ -55,15 +55,15 @@ BY_NAME = {case.name: case for case in CASES}
 
 
 def recipe_flags(case: Case, *, model: str, data: str, output: str, steps: int, seq_len: int,
-                 micro_batch: int, save: bool = True) -> list[str]:
+                 micro_batch: int, grad_accum: int = 1, save: bool = True) -> list[str]:
     """The recipe's command-line flags for one check run (``save=False``: no final model either)."""
     if case.trainer:
         return [*case.flags, "--model", model, "--data", data, "--output_dir", output, "--max_seq_len", str(seq_len),
-                "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", "1",
+                "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", str(grad_accum),
                 "--max_steps", str(steps), "--save_strategy", "no", "--eval_fraction", "0", "--logging_steps", "1",
                 *([] if save else ["--save_model", "false"])]
     flags = [*case.flags, "--model", model, "--data", data, "--output", output, "--max-seq-len", str(seq_len),
-             "--micro-batch-size", str(micro_batch), "--grad-accum", "1", "--max-steps", str(steps),
+             "--micro-batch-size", str(micro_batch), "--grad-accum", str(grad_accum), "--max-steps", str(steps),
              "--save-every", "0", *([] if save else ["--no-save-model"])]
     # the classifier holds out a share of the reviews and validates once at the end; the instruction
     # recipe's validation would add nothing to a throughput check

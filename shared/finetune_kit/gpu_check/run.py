@@ -28,14 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-from finetune_kit.gpu_check import preflight
+from finetune_kit.gpu_check import ablation, preflight
 from finetune_kit.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
 from finetune_kit.gpu_check.models import build_model, check_shape, write_data
 from finetune_kit.planning.cli import text_table
 from finetune_kit.repo.paths import find_root
 
-GPU_DEFAULTS = {"steps": 8}
-TINY = {"layers": 2, "seq_len": 64, "micro_batch": 2, "steps": 4}
+# accumulation 4: the recipes' default, and on one H100 1.6x the tokens/s of 1 (results/, lever table)
+GPU_DEFAULTS = {"steps": 8, "grad_accum": 4}
+TINY = {"layers": 2, "seq_len": 64, "micro_batch": 2, "steps": 4, "grad_accum": 1}
 # DeepSpeed's JIT ops the cases use on a GPU: fused Adam (GPU-resident optimizer), CPU Adam (offload)
 OPS = ("from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder; "
        "FusedAdamBuilder().load(); CPUAdamBuilder().load()")
@@ -43,19 +44,10 @@ OPS = ("from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder; "
 
 def gpu_memory() -> dict | None:
     """Name, total and free memory of GPU 0 read through NVML: no CUDA context in this process."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return {"name": name.decode() if isinstance(name, bytes) else name,
-                "total_GiB": round(info.total / 2**30, 2), "free_GiB": round(info.free / 2**30, 2)}
-    except pynvml.NVMLError:
-        return None
+    from finetune_kit.launch import gpus
+
+    info = gpus.nvml_memory_GiB(0)
+    return info and {"name": info["name"], "total_GiB": round(info["total"], 2), "free_GiB": round(info["free"], 2)}
 
 
 def model_folder(out: Path, arch: str, layers: int, tiny: bool) -> Path:
@@ -90,29 +82,35 @@ def free_port() -> int:
 
 
 def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, steps: int, seq_len: int,
-             micro_batch: int, save: bool = True, timeout: float | None = None, extra: tuple[str, ...] = ()) -> dict:
-    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out")."""
+             micro_batch: int, grad_accum: int = 1, save: bool = True, timeout: float | None = None,
+             extra: tuple[str, ...] = (), name: str | None = None) -> dict:
+    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out").
+    ``name`` (default: the case's) names the output folder and the record."""
+    name = name or case.name
     row = {"case": case.name, "recipe": case.recipe, "layers": layers, "seq_len": seq_len,
-           "micro_batch": micro_batch, "steps": steps}
+           "micro_batch": micro_batch, "grad_accum": grad_accum, "steps": steps}
+    if name != case.name:
+        row = {"run": name, **row}
     if extra:
         row["extra_flags"] = list(extra)
     suffix = "csv" if case.data == "reviews" else "jsonl"
-    rows = steps * micro_batch * 2 + 8  # enough for every step and a held-out share
-    data = write_data(case.data, out / "data" / f"{case.data}-{seq_len}.{suffix}", rows=rows, seq_len=seq_len)
-    output = out / case.name
+    rows = steps * micro_batch * grad_accum * 2 + 8  # enough for every step and a held-out share
+    data = write_data(case.data, out / "data" / f"{case.data}-{seq_len}-{rows}.{suffix}", rows=rows, seq_len=seq_len)
+    output = out / name
     shutil.rmtree(output, ignore_errors=True)
     output.mkdir(parents=True)
     launcher = [part.format(port=free_port()) for part in case.launcher]
     cmd = [*launcher, "train.py", *recipe_flags(case, model=str(model), data=str(data), output=str(output),
-                                                  steps=steps, seq_len=seq_len, micro_batch=micro_batch, save=save),
+                                                  steps=steps, seq_len=seq_len, micro_batch=micro_batch,
+                                                  grad_accum=grad_accum, save=save),
            *extra]
     if shutil.which(cmd[0]) is None:
-        print(f"-- {case.name}: the launcher {cmd[0]!r} is not on PATH", flush=True)
+        print(f"-- {name}: the launcher {cmd[0]!r} is not on PATH", flush=True)
         return {**row, "status": "failed", "error": f"launcher {cmd[0]!r} not on PATH"}
     free = gpu_memory()
     if free:
         row["gpu_free_GiB_before"] = free["free_GiB"]
-    print(f"== {case.name}: {' '.join(cmd)}", flush=True)
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
     start = time.monotonic()
     with (output / "run.log").open("w") as log:
         # a session of its own: a timed-out case is stopped with every process it started
@@ -129,19 +127,19 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
     if returncode != 0 or not record_path.is_file():
         tail = (output / "run.log").read_text()[-3000:]
         status = "timed out" if returncode is None else "failed"
-        print(f"-- {case.name} {status} (exit {returncode}, {row['seconds']} s); the end of {output / 'run.log'}:\n"
+        print(f"-- {name} {status} (exit {returncode}, {row['seconds']} s); the end of {output / 'run.log'}:\n"
               f"{tail}", flush=True)
         return {**row, "status": status, "exit": returncode}
     lines = (output / "metrics.jsonl").read_text().splitlines()
     scaler = {k: v for k, v in json.loads(lines[-1]).items() if k in ("loss_scale", "skipped_steps")} if lines else {}
     return {**row, "status": "ok", **scaler,
-            **record_summary(case, record_path, out / "records" / f"{case.name}.json")}
+            **record_summary(name, record_path, out / "records" / f"{name}.json")}
 
 
-def record_summary(case: Case, record_path: Path, copy_to: Path) -> dict:
+def record_summary(name: str, record_path: Path, copy_to: Path) -> dict:
     from finetune_kit.results.record import RunRecord
 
-    record = RunRecord.read(record_path).model_copy(update={"label": f"gpu check: {case.name}"})
+    record = RunRecord.read(record_path).model_copy(update={"label": f"gpu check: {name}"})
     record.write(copy_to)
     m = record.measured
     error = None
@@ -151,6 +149,7 @@ def record_summary(case: Case, record_path: Path, copy_to: Path) -> dict:
             "tokens_per_s_per_device": m.tokens_per_s_per_device,
             "model_tflop_per_s_per_device": m.model_tflop_per_s_per_device, "mfu_percent": m.mfu_percent,
             "peak_gpu_allocated_GiB": m.peak_gpu_allocated_GiB, "peak_gpu_reserved_GiB": m.peak_gpu_reserved_GiB,
+            "peak_gpu_device_GiB": m.peak_gpu_device_GiB, "step_time_s": m.step_time_s,
             "peak_host_rss_GiB_per_node": m.peak_host_rss_GiB_per_node, "predicted_gpu_GiB": m.predicted_gpu_GiB,
             "predicted_minus_reserved_percent": error, "software": record.software.model_dump(),
             "record": str(copy_to)}
@@ -162,11 +161,20 @@ def _fmt(value, digits: int = 1) -> str:
 
 def summary_table(rows: list[dict]) -> str:
     header = ["case", "status", "s", "tokens/s/GPU", "TFLOP/s/GPU", "MFU %", "peak alloc GiB", "peak reserved GiB",
-              "predicted GiB", "pred. error %"]
-    body = [[r["case"], r["status"], _fmt(r.get("seconds")), _fmt(r.get("tokens_per_s_per_device"), 0),
-             _fmt(r.get("model_tflop_per_s_per_device"), 3), _fmt(r.get("mfu_percent")),
-             _fmt(r.get("peak_gpu_allocated_GiB")), _fmt(r.get("peak_gpu_reserved_GiB")),
-             _fmt(r.get("predicted_gpu_GiB")), _fmt(r.get("predicted_minus_reserved_percent"))] for r in rows]
+              "device GiB", "predicted GiB", "pred. error %"]
+    ablated = any("speedup" in r for r in rows)
+    if ablated:
+        header[1:1] = ["mb x ga", "speed-up"]
+    body = []
+    for r in rows:
+        line = [r.get("run", r["case"]), r["status"], _fmt(r.get("seconds")), _fmt(r.get("tokens_per_s_per_device"), 0),
+                _fmt(r.get("model_tflop_per_s_per_device"), 3), _fmt(r.get("mfu_percent")),
+                _fmt(r.get("peak_gpu_allocated_GiB")), _fmt(r.get("peak_gpu_reserved_GiB")),
+                _fmt(r.get("peak_gpu_device_GiB")), _fmt(r.get("predicted_gpu_GiB")),
+                _fmt(r.get("predicted_minus_reserved_percent"))]
+        if ablated:
+            line[1:1] = [f"{r.get('micro_batch')} x {r.get('grad_accum')}", _fmt(r.get("speedup"), 2)]
+        body.append(line)
     return text_table(header, body)
 
 
@@ -180,7 +188,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="decoder layers of every case (default: each case's own)")
     p.add_argument("--steps", type=int, help="optimizer steps per case (3 are warm-up; default 8, tiny 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: each case's own)")
-    p.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: each case's own)")
+    p.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default: each case's own)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 4, tiny 1)")
+    p.add_argument("--ablation", action="store_true",
+                   help="run the speed-lever variants (gpu_check.ablation) instead of the cases")
+    p.add_argument("--variants", default=None, help="with --ablation: comma-separated variant names (default: all)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds after which no further case or variant starts (default: none)")
     p.add_argument("--no-save", dest="save", action="store_false",
                    help="skip each case's final model save (the save path is tested on CPU)")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is stopped (default: none)")
@@ -196,12 +210,21 @@ def main(argv=None) -> int:
     import torch
 
     args = parse_args(argv)
+    started = time.monotonic()
     gpu = torch.cuda.is_available()  # counts devices; creates no CUDA context in this process
     tiny = (not gpu) if args.tiny is None else args.tiny
     names = args.cases.split(",")
     unknown = [n for n in names if n not in BY_NAME]
+    variants = []
+    if args.ablation:
+        variants = [ablation.BY_NAME.get(n) or n for n in args.variants.split(",")] if args.variants \
+            else ablation.VARIANTS
+        unknown = [n for n in variants if isinstance(n, str)]
+        names = list(dict.fromkeys(v.case for v in variants if not isinstance(v, str)))
     if unknown:
-        print(f"error: unknown case(s) {unknown}; the cases are {list(BY_NAME)}", file=sys.stderr)
+        known = list(ablation.BY_NAME) if args.ablation else list(BY_NAME)
+        print(f"error: unknown {'variant' if args.ablation else 'case'}(s) {unknown}; they are {known}",
+              file=sys.stderr)
         return 2
     root = find_root(args.root)
     out = args.out.resolve()
@@ -237,29 +260,49 @@ def main(argv=None) -> int:
         code = ops[0].wait()
         print(f"DeepSpeed ops (fused Adam, CPU Adam) {'built' if code == 0 else 'FAILED, see ops.log'} "
               f"in {time.monotonic() - ops[1]:.0f} s", flush=True)
+    extra = tuple(shlex.split(args.extra))
+
+    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=()) -> dict:
+        return {"steps": args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
+                "seq_len": seq_len or args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
+                "micro_batch": micro_batch or args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
+                "grad_accum": grad_accum or args.grad_accum or (TINY if tiny else GPU_DEFAULTS)["grad_accum"],
+                "extra": extra + tuple(flags)}
+
+    if args.ablation:
+        runs = [(v.name, BY_NAME[v.case], settings(BY_NAME[v.case], v.micro_batch, v.grad_accum, v.seq_len, v.flags))
+                for v in variants]
+    else:
+        runs = [(case.name, case, settings(case)) for case in cases]
     rows = []
-    for case in cases:
+    for name, case, given in runs:
         layers = layers_of[case.name]
         if tiny and case.gpu_only:
             rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
             continue
+        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            rows.append({"run": name, "case": case.name, "recipe": case.recipe, "status": "not run",
+                         "reason": f"the {args.time_budget:.0f} s time budget was spent"})
+            continue
         try:
-            rows.append(run_case(
-                case, root, out, models[(case.arch, case.family, layers)], layers=layers,
-                steps=args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
-                seq_len=args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
-                micro_batch=args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
-                save=args.save, timeout=args.case_timeout, extra=tuple(shlex.split(args.extra))))
+            rows.append(run_case(case, root, out, models[(case.arch, case.family, layers)], layers=layers,
+                                 save=args.save, timeout=args.case_timeout, name=name, **given))
         except Exception as err:  # one broken case must not lose the others' summary
-            rows.append({"case": case.name, "recipe": case.recipe, "status": "failed", "error": repr(err)})
+            rows.append({"run": name, "case": case.name, "recipe": case.recipe, "status": "failed",
+                         "error": repr(err)})
+        if args.ablation:
+            rows = ablation.speedups(rows)
         # after every case: what finished is on disk even if the next one takes the machine down
         (out / "summary.json").write_text(json.dumps({"tiny": tiny, "gpu": info, "cases": rows}, indent=2) + "\n")
     print("\n" + summary_table(rows))
     for r in rows:
-        if r["status"] == "skipped":
-            print(f"{r['case']}: skipped, {r['reason']}")
+        if r["status"] in ("skipped", "not run"):
+            print(f"{r.get('run', r['case'])}: {r['status']}, {r['reason']}")
         if "skipped_steps" in r:
             print(f"{r['case']}: fp16 loss scale {r.get('loss_scale')}, {r['skipped_steps']} overflow step(s) skipped")
-    failed = [r["case"] for r in rows if r["status"] in ("failed", "timed out")]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} cases passed or were skipped; summary: {out / 'summary.json'}")
+    failed = [r.get("run", r["case"]) for r in rows if r["status"] in ("failed", "timed out")]
+    passed = sum(r["status"] == "ok" for r in rows)
+    others = {status: sum(r["status"] == status for r in rows) for status in ("skipped", "not run")}
+    print(f"\n{passed} of {len(rows)} passed, {len(failed)} failed"
+          + "".join(f", {n} {status}" for status, n in others.items() if n) + f"; summary: {out / 'summary.json'}")
     return 1 if failed else 0

@@ -147,8 +147,9 @@ def planner_table(records: list[tuple[str, RunRecord]]) -> list[str]:
     if not rows:
         return ["No GPU run recorded yet."]
     lines = ["| Record | Engine, offload | Seq len × micro-batch | Checkpointing | Predicted GiB "
-             "| Peak allocated GiB | Peak reserved GiB | Error vs allocated % | Error vs reserved % |",
-             "|---|---|--:|---|--:|--:|--:|--:|--:|"]
+             "| Peak allocated GiB | Peak reserved GiB | Peak device GiB (NVML) | Error vs allocated % "
+             "| Error vs reserved % | Error vs device % |",
+             "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
     for name, rec in rows:
         m, t = rec.measured, rec.training
         lines.append(
@@ -156,8 +157,10 @@ def planner_table(records: list[tuple[str, RunRecord]]) -> list[str]:
             f"| {t.seq_len:,} × {t.micro_batch_size} "
             f"| {'on' if t.gradient_checkpointing else 'off'} | {_fmt(m.predicted_gpu_GiB, 1)} "
             f"| {_fmt(m.peak_gpu_allocated_GiB, 1)} | {_fmt(m.peak_gpu_reserved_GiB, 1)} "
+            f"| {_fmt(m.peak_gpu_device_GiB, 1)} "
             f"| {_fmt(_percent_off(m.predicted_gpu_GiB, m.peak_gpu_allocated_GiB), 1)} "
-            f"| {_fmt(_percent_off(m.predicted_gpu_GiB, m.peak_gpu_reserved_GiB), 1)} |")
+            f"| {_fmt(_percent_off(m.predicted_gpu_GiB, m.peak_gpu_reserved_GiB), 1)} "
+            f"| {_fmt(_percent_off(m.predicted_gpu_GiB, m.peak_gpu_device_GiB), 1)} |")
     return lines
 
 
@@ -173,29 +176,52 @@ def step_time_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] |
     return intercept, slope
 
 
+def accumulation_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] | None:
+    """Least squares ``step_time = fixed + per_micro_batch x grad_accum`` over the ZeRO-3,
+    checkpointed runs of micro-batch 2 at 4,096 tokens (None with fewer than 3 accumulations)."""
+    points = [(r.training.grad_accum, r.measured.step_time_s) for _, r in records
+              if r.training.engine in (None, "deepspeed") and r.training.gradient_checkpointing
+              and r.training.offload == "none" and r.training.micro_batch_size == 2
+              and r.training.seq_len == 4096 and r.measured.step_time_s]
+    if len({x for x, _ in points}) < 3:
+        return None
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return intercept, slope
+
+
 def ablation_table(records: list[tuple[str, RunRecord]]) -> list[str]:
     if not records:
         return ["None recorded."]
-    lines = ["| Record | Engine | Seq len | Micro-batch | Checkpointing | Step time s | Tokens/s per GPU "
-             "| Model TFLOP/s per GPU | MFU % | Peak reserved GiB | Predicted GiB |",
-             "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|"]
-    for name, rec in sorted(records, key=lambda nr: -(nr[1].measured.tokens_per_s_per_device or 0)):
+    lines = ["| Record | Recipe | Engine, offload | Seq len | Micro-batch × accumulation | Checkpointing "
+             "| Step time s | Tokens/s per GPU | Model TFLOP/s per GPU | MFU % | Peak reserved GiB "
+             "| Peak device GiB | Predicted GiB | Date |",
+             "|---|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|---|"]
+    ordered = sorted(records, key=lambda nr: (nr[1].recipe, -(nr[1].measured.tokens_per_s_per_device or 0)))
+    for name, rec in ordered:
         m, t = rec.measured, rec.training
         lines.append(
-            f"| `{name}` | {t.engine or 'deepspeed'} | {t.seq_len:,} | {t.micro_batch_size} "
-            f"| {'on' if t.gradient_checkpointing else 'off'} | {_fmt(m.step_time_s, 3)} "
-            f"| {_fmt(m.tokens_per_s_per_device)} | {_fmt(m.model_tflop_per_s_per_device, 1)} "
-            f"| {_fmt(m.mfu_percent, 1)} | {_fmt(m.peak_gpu_reserved_GiB, 1)} | {_fmt(m.predicted_gpu_GiB, 1)} |")
+            f"| `{name}` | {rec.recipe} | {t.engine or 'deepspeed'}, {t.offload} | {t.seq_len:,} "
+            f"| {t.micro_batch_size} × {t.grad_accum} | {'on' if t.gradient_checkpointing else 'off'} "
+            f"| {_fmt(m.step_time_s, 3)} | {_fmt(m.tokens_per_s_per_device)} "
+            f"| {_fmt(m.model_tflop_per_s_per_device, 1)} | {_fmt(m.mfu_percent, 1)} "
+            f"| {_fmt(m.peak_gpu_reserved_GiB, 1)} | {_fmt(m.peak_gpu_device_GiB, 1)} "
+            f"| {_fmt(m.predicted_gpu_GiB, 1)} | {rec.date[:10]} |")
     hw = records[0][1].hardware
-    lines += ["", f"All on {hw.devices}× {hw.device}, {records[0][1].model.architecture}, one optimizer step per "
-              "micro-batch (`--grad-accum 1`), 8 steps of which the last 5 are measured."]
+    lines += ["", f"All on {hw.devices}× {hw.device}, depth-truncated models (8B: 8 layers, 13B: 4, 70B: 4), "
+              "8 optimizer steps of which the last 5 are measured (medians)."]
     fit = step_time_fit(records)
     if fit:
         fixed, per_seq = fit
-        lines += ["", f"Step time against micro-batch (ZeRO-3, checkpointing on, 4,096 tokens): a least-squares "
-                  f"line gives {fixed:.3f} s per optimizer step whatever the micro-batch, plus {per_seq:.3f} s per "
-                  f"sequence. At that marginal rate one sequence of 4,096 tokens runs at "
-                  f"{4096 / per_seq:,.0f} tokens/s: the fixed part, not the matrix work, is what keeps MFU low here."]
+        lines += ["", f"Step time against micro-batch (ZeRO-3, checkpointing on, 4,096 tokens, no accumulation): a "
+                  f"least-squares line gives {fixed:.3f} s per optimizer step whatever the micro-batch, plus "
+                  f"{per_seq:.3f} s per sequence ({4096 / per_seq:,.0f} tokens/s at that marginal rate)."]
+    fit = accumulation_fit(records)
+    if fit:
+        fixed, per_micro = fit
+        lines += ["", f"Step time against gradient accumulation (the same, micro-batch 2): {fixed:.3f} s per "
+                  f"optimizer step plus {per_micro:.3f} s per micro-batch of 2 × 4,096 tokens "
+                  f"({2 * 4096 / per_micro:,.0f} tokens/s at that marginal rate): accumulating spreads the "
+                  f"optimizer step's fixed cost over more tokens."]
     return lines
 
 

@@ -1,0 +1,61 @@
+"""The speed levers, one setting changed per row: ``python -m finetune_kit.gpu_check --ablation``.
+
+Each variant is one of the GPU check's cases (the recipe's own train.py and configs) with its
+sizes or recipe flags changed. The first row of each case is its baseline; the table gives
+tokens/s per GPU, MFU and peak memory of every row, and the speed-up against that baseline.
+On one GPU DeepSpeed has nothing to communicate, so ``overlap_comm`` and the bucket sizes are not
+among the levers here: they matter across GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # output folder and record name
+    case: str  # a gpu_check case
+    micro_batch: int | None = None  # None: the case's own
+    grad_accum: int = 1
+    seq_len: int | None = None
+    flags: tuple[str, ...] = ()  # recipe flags added to the case's
+    lever: str = ""  # what this row changes, for the table
+
+
+NO_CKPT = ("--no-gradient-checkpointing",)
+VARIANTS = [
+    # the 8B shape under ZeRO-3: where a step's time goes (fixed per optimizer step vs per sequence)
+    Variant("8b-mb2-ga1", "llama3-8b-zero3", 2, 1, lever="baseline: 1 micro-batch of 2 per optimizer step"),
+    Variant("8b-mb2-ga4", "llama3-8b-zero3", 2, 4, lever="gradient accumulation 4"),
+    Variant("8b-mb2-ga8", "llama3-8b-zero3", 2, 8, lever="gradient accumulation 8"),
+    Variant("8b-mb4-ga4", "llama3-8b-zero3", 4, 4, lever="micro-batch 4, accumulation 4 (the recipe's sizes)"),
+    Variant("8b-mb1-ga8-nockpt", "llama3-8b-zero3", 1, 8, flags=NO_CKPT,
+            lever="no activation checkpointing, micro-batch 1, accumulation 8"),
+    Variant("8b-mb2-ga4-nockpt", "llama3-8b-zero3", 2, 4, flags=NO_CKPT,
+            lever="no activation checkpointing, micro-batch 2, accumulation 4"),
+    Variant("8b-fsdp2-mb2-ga4", "llama3-8b-fsdp2", 2, 4, lever="FSDP2 instead of ZeRO-3, accumulation 4"),
+    Variant("8b-offload-mb2-ga8", "llama3-8b-zero3-offload", 2, 8,
+            lever="optimizer offloaded to CPU Adam, accumulation 8"),
+    Variant("8b-mb2-ga1-repeat", "llama3-8b-zero3", 2, 1, lever="the baseline again: run-to-run variation"),
+    # the other recipes' shapes
+    Variant("70b-qlora-mb4-ga1", "llama3.3-70b-qlora", 4, 1, lever="baseline"),
+    Variant("70b-qlora-mb4-ga4", "llama3.3-70b-qlora", 4, 4, lever="gradient accumulation 4"),
+    Variant("70b-qlora-mb4-ga4-nockpt", "llama3.3-70b-qlora", 4, 4, flags=NO_CKPT,
+            lever="no activation checkpointing, accumulation 4"),
+    Variant("13b-mb2-ga1", "llama2-13b-zero2-bf16", 2, 1, lever="baseline"),
+    Variant("13b-mb2-ga4", "llama2-13b-zero2-bf16", 2, 4, lever="gradient accumulation 4"),
+]
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Each row with ``speedup`` against the first finished row of the same case (its baseline)."""
+    base: dict[str, float] = {}
+    out = []
+    for row in rows:
+        tps = row.get("tokens_per_s_per_device")
+        if tps and row["case"] not in base:
+            base[row["case"]] = tps
+        out.append({**row, "speedup": tps / base[row["case"]] if tps and row["case"] in base else None})
+    return out
