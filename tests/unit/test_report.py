@@ -69,9 +69,11 @@ def test_check_finds_results_from_any_folder_in_the_repository(monkeypatch, tmp_
     assert "pass --results" in capsys.readouterr().err
 
 
-def _ablation_record(monkeypatch, tmp_path, micro_batch: int, step_time: float, checkpointing: bool = True):
+def _ablation_record(monkeypatch, tmp_path, micro_batch: int, step_time: float, checkpointing: bool = True,
+                     grad_accum: int = 1):
     rec = a_record(monkeypatch, tmp_path)
-    rec.training.engine, rec.training.grad_accum, rec.training.seq_len = None, 1, 4096
+    rec.training.engine, rec.training.grad_accum, rec.training.seq_len = None, grad_accum, 4096
+    rec.training.offload = "none"
     rec.training.micro_batch_size, rec.training.gradient_checkpointing = micro_batch, checkpointing
     rec.measured.step_time_s = step_time
     return f"mb{micro_batch}", rec
@@ -86,11 +88,23 @@ def test_step_time_fit_recovers_the_fixed_and_per_sequence_parts(monkeypatch, tm
     records[-1] = _ablation_record(monkeypatch, tmp_path, 4, 9.9, checkpointing=False)
     assert report.step_time_fit(records) is None
     section = "\n".join(report.ablation_table(records[:2]))
-    assert "| `mb2` | deepspeed | 4,096 | 2 | on | 0.650 |" in section and "least-squares" not in section
+    assert f"| `mb2` | {records[1][1].recipe} | deepspeed, none | 4,096 | 2 × 1 | on | 0.650 |" in section
+    assert "least-squares" not in section
+
+
+def test_accumulation_fit_recovers_the_fixed_and_per_micro_batch_parts(monkeypatch, tmp_path):
+    line = {1: 0.5, 4: 1.4, 8: 2.6}  # 0.2 s per optimizer step + 0.3 s per micro-batch
+    records = [_ablation_record(monkeypatch, tmp_path, 2, t, grad_accum=ga) for ga, t in line.items()]
+    assert report.accumulation_fit(records) == (pytest.approx(0.2), pytest.approx(0.3))
+    records[0] = _ablation_record(monkeypatch, tmp_path, 4, 0.5)  # another micro-batch: not on this line
+    assert report.accumulation_fit(records) is None
 
 
 def test_planner_table_states_the_error_against_both_peaks(monkeypatch, tmp_path):
     rec = a_record(monkeypatch, tmp_path)  # peaks 40.0 allocated, 44.0 reserved
     rec.measured.predicted_gpu_GiB = 46.2
     row = [line for line in report.planner_table([("r", rec)]) if line.startswith("| `r`")][0]
-    assert row.endswith("| 46.2 | 40.0 | 44.0 | 15.5 | 5.0 |")
+    assert row.endswith("| 46.2 | 40.0 | 44.0 | – | 15.5 | 5.0 | – |")
+    rec.measured.peak_gpu_device_GiB = 46.2 * 1.1
+    row = [line for line in report.planner_table([("r", rec)]) if line.startswith("| `r`")][0]
+    assert row.endswith("| 46.2 | 40.0 | 44.0 | 50.8 | 15.5 | 5.0 | -9.1 |")

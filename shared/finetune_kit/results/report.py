@@ -207,8 +207,9 @@ def ablation_table(records: list[tuple[str, RunRecord]]) -> list[str]:
             f"| {_fmt(m.peak_gpu_reserved_GiB, 1)} | {_fmt(m.peak_gpu_device_GiB, 1)} "
             f"| {_fmt(m.predicted_gpu_GiB, 1)} | {rec.date[:10]} |")
     hw = records[0][1].hardware
-    lines += ["", f"All on {hw.devices}× {hw.device}, depth-truncated models (8B: 8 layers, 13B: 4, 70B: 4), "
-              "8 optimizer steps of which the last 5 are measured (medians)."]
+    models = "; ".join(sorted({rec.model.architecture for _, rec in records}))
+    lines += ["", f"All on {hw.devices}× {hw.device} ({models}); each row the median of its steady-state "
+              "optimizer steps."]
     fit = step_time_fit(records)
     if fit:
         fixed, per_seq = fit
@@ -296,11 +297,14 @@ def render(results: Path) -> tuple[str, list[Row]]:
         *gpu_lines, "",
         "## Memory: the planner's prediction against the measured peaks", "",
         "`make plan` and every launch predict the peak GPU memory per GPU; each GPU run records what torch "
-        "allocated and reserved at the peak (CUDA context and NCCL buffers not included).", "",
+        "allocated and reserved at the peak, and runs since the device view was added also the GPU's used memory "
+        "as NVML reports it (CUDA context, NCCL and cuBLAS workspaces included: 1.7-2.1 GiB above torch's "
+        "reserved peak in every run so far).", "",
         *planner_table(gpu_records + ablation), "",
-        "## Speed levers on one GPU (Llama 3 8B shape)", "",
-        "The 8B recipe's own train.py and configs (`python -m finetune_kit.gpu_check --cases llama3-8b-zero3 "
-        "...`), one setting changed per row; records in `runs/ablation/`.", "",
+        "## Speed levers on one GPU", "",
+        "Each recipe's own train.py and configs with one setting changed per row "
+        "(`python -m finetune_kit.gpu_check --ablation`; the variants are in "
+        "`shared/finetune_kit/gpu_check/ablation.py`); records in `runs/ablation/`, fastest first per recipe.", "",
         *ablation_table(ablation), "",
         "## CPU smoke runs", "",
         "CPU runs of the recipes on tiny models: they show the code path and the metering work, "
