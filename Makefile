@@ -85,7 +85,7 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # environment exists (after unit) while the recipes' sessions run; the image session then finds them in
 # podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint unit recipe-llama3-8b-zero3 recipe-llama3-8b-nvme recipe-llama2-13b-zero2 \
-  recipe-llama3-70b-qlora live-metrics gpu-check-cpu wheelhouse image
+  recipe-llama3-70b-qlora live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	@failed=0; $(NOX) -s lint unit || failed=1; \
@@ -131,10 +131,12 @@ wheelhouse: ## wheels of the pinned stack for offline hosts (WHEELHOUSE=dir; NO_
 	bash docker/build-wheelhouse.sh $(if $(NO_TORCH),--no-torch) "$(WHEELHOUSE)"
 
 # The few wheels a GPU image with its own CUDA torch lacks (about 23 MB): carry them to an offline host.
+# HAVE: the host's `python3 -m pip list --format=freeze` (default: docker/gpu-host-packages.txt).
 GPU_BUNDLE ?= $(CURDIR)/gpu-bundle
 CUDA ?= 130
-gpu-bundle: ## wheels a GPU host with its own torch lacks, for an offline check (GPU_BUNDLE=dir, CUDA=130)
-	bash docker/build-gpu-bundle.sh --cuda $(CUDA) "$(GPU_BUNDLE)"
+HAVE ?= docker/gpu-host-packages.txt
+gpu-bundle: $(NOX) ## wheels a GPU host with its own torch lacks (HAVE=host-freeze.txt, GPU_BUNDLE=dir, CUDA=130)
+	$(NOX) -s gpu-bundle -- --have "$(abspath $(HAVE))" --cuda $(CUDA) "$(GPU_BUNDLE)"
 
 # The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
 RECIPE ?= llama3-8b-zero3

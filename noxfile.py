@@ -27,7 +27,7 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama3-8b-nvme", "recipe-llama2-13b-zero2",
-                        "recipe-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "wheelhouse", "image"]
+                        "recipe-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -129,6 +129,18 @@ def live_metrics(session: nox.Session) -> None:
 def gpu_check_cpu(session: nox.Session) -> None:
     """The GPU check (make gpu-check) at a tiny width on CPU: every recipe's code path, its records."""
     run_in_stack(session, "pytest", "tests/recipes/test_gpu_check.py", *session.posargs)
+
+
+@nox.session(name="gpu-bundle", venv_backend="none")
+def gpu_bundle(session: nox.Session) -> None:
+    """The offline bundle for a GPU host with its own torch (make gpu-bundle), made for an imitation
+    of such a host on CPU, installed there with --no-index, and the GPU check's CPU version run from it.
+    With arguments, only makes a bundle: nox -s gpu-bundle -- [--have FREEZE] [--cuda 130] [DIR]."""
+    if session.posargs:
+        env = stack(session)
+        session.run("bash", str(ROOT / "docker/build-gpu-bundle.sh"), *session.posargs, env=env, external=True)
+        return
+    run_in_stack(session, "pytest", "tests/offline/test_gpu_bundle.py")
 
 
 @nox.session(venv_backend="none")

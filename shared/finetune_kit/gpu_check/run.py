@@ -281,15 +281,16 @@ def main(argv=None) -> int:
             rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
             continue
         if args.time_budget is not None and time.monotonic() - started > args.time_budget:
-            rows.append({"run": name, "case": case.name, "recipe": case.recipe, "status": "not run",
+            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
+                         "status": "not run",
                          "reason": f"the {args.time_budget:.0f} s time budget was spent"})
             continue
         try:
             rows.append(run_case(case, root, out, models[(case.arch, case.family, layers)], layers=layers,
                                  save=args.save, timeout=args.case_timeout, name=name, **given))
         except Exception as err:  # one broken case must not lose the others' summary
-            rows.append({"run": name, "case": case.name, "recipe": case.recipe, "status": "failed",
-                         "error": repr(err)})
+            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
+                         "status": "failed", "error": repr(err)})
         if args.ablation:
             rows = ablation.speedups(rows)
         # after every case: what finished is on disk even if the next one takes the machine down

@@ -1,0 +1,120 @@
+"""The offline bundle for a GPU host that has its own torch, rehearsed on CPU.
+
+A fresh environment imitates such a host: torch already there (the pinned build, linked in from
+the stack rather than installed again), an older transformers and the libraries a GPU image
+brings, none of deepspeed, bitsandbytes, datasets or pydantic. `make gpu-bundle`'s script asks
+that environment for its packages and bundles what it lacks; the bundle goes in with pip's
+--no-index, and the CPU version of the GPU check runs from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests.harness import REPO
+
+pytestmark = pytest.mark.recipe
+
+HOST_LIBRARIES = ["transformers==5.17.0", "accelerate", "tokenizers", "safetensors", "huggingface-hub", "numpy",
+                  "pandas", "pyarrow", "ninja", "psutil", "pyyaml", "tqdm", "regex", "requests", "packaging",
+                  "einops", "msgpack", "py-cpuinfo", "prometheus-client", "nvidia-ml-py"]
+WORK = REPO / ".nox/gpu-host"
+
+
+def link_torch(site: Path, into: Path) -> list[str]:
+    """Symlink the installed torch and everything it requires (its files and dist-info) into ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    todo, done = ["torch"], set()
+    while todo:
+        name = todo.pop()
+        dist = metadata.distribution(name)
+        key = dist.metadata["Name"].lower()
+        if key in done:
+            continue
+        done.add(key)
+        tops = {Path(f).parts[0] for f in dist.files or [] if not Path(f).parts[0].startswith("..")}
+        for top in tops:
+            if (site / top).exists() and not (into / top).exists():
+                (into / top).symlink_to(site / top)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return sorted(done)
+
+
+@pytest.fixture(scope="module")
+def host() -> dict:
+    """The imitation host: its Python, the bundle made for it, and the folder the bundle went into."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    venv, torch_dir, bundle, site = WORK / "venv", WORK / "torch", WORK / "bundle", WORK / "site"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin/python"
+    stack_site = Path(metadata.distribution("torch").locate_file(""))
+    linked = link_torch(stack_site, torch_dir)
+    pth = next((venv / "lib").glob("python3*/site-packages")) / "host-torch.pth"
+    pth.write_text(f"{torch_dir}\n")
+    # the host's own libraries, resolved beside its torch: an older transformers than the recipes pin,
+    # with the hub client and tokenizers it accepts; the lock's versions for the rest
+    own = ("#", "torch==", "transformers==", "huggingface-hub==", "huggingface_hub==", "tokenizers==")
+    pins = [line for line in (REPO / "docker/requirements.txt").read_text().splitlines()
+            if "==" in line and not line.startswith(own)]
+    constraints = WORK / "constraints.txt"
+    constraints.write_text("\n".join(pins) + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-c", str(constraints), *HOST_LIBRARIES], check=True)
+    # as on the hosts described: no pydantic (pip brings it for the newest typer, which such images predate)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "--yes", "pydantic", "pydantic-core"], check=True)
+    made = subprocess.run(["bash", str(REPO / "docker/build-gpu-bundle.sh"), "--host-python", str(py), str(bundle)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(site),
+                    *map(str, sorted(bundle.glob("*.whl")))], check=True)
+    return {"python": py, "bundle": bundle, "site": site, "linked": linked, "log": made.stdout + made.stderr}
+
+
+def wheels(bundle: Path) -> dict[str, str]:
+    return {w.name.split("-")[0].lower().replace("_", "-"): w.name.split("-")[1] for w in bundle.glob("*.whl")}
+
+
+def test_the_bundle_holds_what_the_host_lacks_and_nothing_it_has(host):
+    carried = wheels(host["bundle"])
+    assert {"deepspeed", "bitsandbytes", "datasets", "pydantic", "hjson"} <= set(carried), carried
+    assert carried["transformers"] == "5.23.0"  # the host's 5.17.0 is older than the pin
+    assert not {"torch", "accelerate", "numpy", "pyarrow", "tokenizers"} & set(carried), carried
+    assert "transformers 5.23.0: 5.17.0 is older than the pinned 5.23.0" in host["log"]
+
+
+def test_bitsandbytes_carries_only_its_cpu_and_one_cuda_library(host):
+    bnb = next(host["bundle"].glob("bitsandbytes-*.whl"))
+    libs = sorted(Path(n).name for n in zipfile.ZipFile(bnb).namelist() if "libbitsandbytes_" in n)
+    assert libs == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
+
+
+def test_the_gpu_check_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{host['site']}{os.pathsep}{REPO / 'shared'}",
+           "PATH": f"{host['site'] / 'bin'}{os.pathsep}{host['python'].parent}{os.pathsep}{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    where = subprocess.run([str(host["python"]), "-c", "import torch, transformers, deepspeed; "
+                            "print(torch.__file__, transformers.__version__, deepspeed.__file__)"],
+                           capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
+    assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
+    assert where[2].startswith(str(host["site"]))
+    proc = subprocess.run([str(host["python"]), "-m", "finetune_kit.gpu_check", "--tiny", "--no-save",
+                           "--cases", "llama3-8b-zero3,llama3.3-70b-qlora", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())["cases"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    versions = rows[0]["software"]["libraries"]
+    assert versions["transformers"] == "5.23.0" and versions["deepspeed"] == "0.19.8"
