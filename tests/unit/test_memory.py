@@ -270,7 +270,7 @@ def test_preflight_raises_with_numbers_and_fix():
         memory.preflight("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                          gradient_checkpointing=True, gpu_memory_GiB=80)
     text = str(err.value)
-    assert "164.5 GiB per GPU of 80" in text and "84.5 GiB short" in text
+    assert "165.5 GiB per GPU of 80" in text and "85.5 GiB short" in text
     assert '"offload_optimizer": {"device": "cpu"' in text and "--skip-memory-check" in text
 
 

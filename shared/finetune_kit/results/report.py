@@ -298,7 +298,7 @@ def render(results: Path) -> tuple[str, list[Row]]:
         "## Memory: the planner's prediction against the measured peaks", "",
         "`make plan` and every launch predict the peak GPU memory per GPU; each GPU run records what torch "
         "allocated and reserved at the peak, and runs since the device view was added also the GPU's used memory "
-        "as NVML reports it (CUDA context, NCCL and cuBLAS workspaces included: 1.7-2.1 GiB above torch's "
+        "as NVML reports it (CUDA context, NCCL and cuBLAS workspaces included: 1.8-2.2 GiB above torch's "
         "reserved peak in every run so far).", "",
         *planner_table(gpu_records + ablation), "",
         "## Speed levers on one GPU", "",
