@@ -1,10 +1,15 @@
-"""Final output folders (a model, an adapter, a merged model) written whole or not at all."""
+"""Output folders: whether one can be written (:func:`check_writable`), and final outputs (a model, an
+adapter, a merged model) written whole or not at all (:func:`written_whole`)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from finetune_kit.errors import ConfigError
 
 
 @contextmanager
@@ -26,3 +31,20 @@ def written_whole(out: Path, writer: bool = True):
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def check_writable(output: Path) -> None:
+    """ConfigError naming the folder unless ``output`` (or, before it exists, the folder it will be
+    made in) takes a file; a probe file is written and removed, nothing else is created."""
+    output = Path(output)
+    existing = next(p for p in (output, *output.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, os.strerror(20))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        where = "" if existing == output else f": '{existing}', where it would be created,"
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ConfigError(f"output folder '{output}' cannot be written{where} ({reason}). Pass --output with a "
+                          "folder you can write to, on a disk with room for the checkpoints.") from err

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from finetune_kit import outputs
 from finetune_kit.errors import ConfigError
 from finetune_kit.training import checkpoints
 
@@ -131,14 +132,14 @@ def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"output folder '.*file/run' cannot be written: '.*file', where it would "
                                           r"be created, \(Not a directory\)\. Pass --output"):
-        checkpoints.check_writable(tmp_path / "file" / "run")
+        outputs.check_writable(tmp_path / "file" / "run")
 
     def refuse(dir):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(checkpoints.tempfile, "TemporaryFile", refuse)  # as for a user without rights there
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)  # as for a user without rights there
     with pytest.raises(ConfigError, match=r"'.*run' cannot be written: .* \(Permission denied\)"):
-        checkpoints.check_writable(tmp_path / "run")
+        outputs.check_writable(tmp_path / "run")
     assert not (tmp_path / "run").exists()  # the check creates nothing
 
 

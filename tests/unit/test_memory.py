@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.models.shapes import resolve_model
+from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning import memory
-from finetune_kit.planning.memory import Adapter, GiB, Setup, activation_bytes, plan
+from finetune_kit.planning.memory import GiB, Setup, activation_bytes, plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}

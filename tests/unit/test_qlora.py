@@ -7,7 +7,7 @@ import torch
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.models import qlora
-from finetune_kit.planning.memory import Adapter
+from finetune_kit.models.shapes import Adapter
 
 RANK, ALPHA = 4, 8
 # The tiny Llama 3 (models.tiny): hidden 64, ffn 224, 8 heads / 2 KV heads of 8, 2 layers, vocab 512.

@@ -26,7 +26,7 @@ def nvme_paths(ds_config: dict) -> dict[str, str | None]:
 
 def check(ds_config: dict, source: str) -> None:
     """ConfigError naming the value, the rule and the fix; nothing when no section offloads to NVMe."""
-    from finetune_kit.training.checkpoints import check_writable
+    from finetune_kit.outputs import check_writable
 
     paths = nvme_paths(ds_config)
     for section, path in paths.items():

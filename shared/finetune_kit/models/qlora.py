@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.models.shapes import Adapter
 from finetune_kit.outputs import written_whole
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -63,8 +64,6 @@ def parse_targets(text: str) -> str | list[str]:
 
 def adapter_plan(rank: int, targets: str | list[str]):
     """The memory planner's description of this adapter (a 4-bit base)."""
-    from finetune_kit.planning.memory import Adapter
-
     return Adapter(rank=rank, targets=targets if targets == "all-linear" else tuple(targets))
 
 

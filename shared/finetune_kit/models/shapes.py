@@ -195,3 +195,13 @@ def from_config(config) -> ModelShape:
     """The shape of a loaded transformers config, named after its known architecture if it is one."""
     shape = ModelShape.from_config(config, name="model")
     return replace(shape, name=shape.identify(getattr(config, "model_type", "model")))
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """LoRA (frozen bf16 base) or QLoRA (frozen nf4 base) on the linear layers of every block."""
+
+    rank: int = 8
+    targets: str | tuple[str, ...] = "all-linear"
+    quantized: bool = True  # nf4 base (QLoRA); False: bf16 base (LoRA)
+    double_quant: bool = True

@@ -30,8 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.models.shapes import resolve_model
-from finetune_kit.planning.memory import Adapter, GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.models.shapes import Adapter, resolve_model
+from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
               "gradient_checkpointing")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env, gpus
 from finetune_kit.launch.nvme import nvme_paths, param_buffers
-from finetune_kit.models.shapes import ModelShape, resolve_model
+from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
 
 GiB = 2**30
 log = logging.getLogger(__name__)
@@ -173,16 +173,6 @@ def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, i
         host["parameter swap buffers (pinned)"] = int(count * size * BF16 * s.gpus_per_node)
         disk["bf16 weights (swap files)"] = int(BF16 * share)
     return host, disk
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """LoRA (frozen bf16 base) or QLoRA (frozen nf4 base) on the linear layers of every block."""
-
-    rank: int = 8
-    targets: str | tuple[str, ...] = "all-linear"
-    quantized: bool = True  # nf4 base (QLoRA); False: bf16 base (LoRA)
-    double_quant: bool = True
 
 
 def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpus: int, nodes: int,

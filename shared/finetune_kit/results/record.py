@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from finetune_kit.data.instructions import DataCounts
 from finetune_kit.metering.flops import device_name
 from finetune_kit.repo.pins import read_pins
 
@@ -87,27 +88,6 @@ class Measured(_Strict):
     peak_gpu_device_GiB: float | None = None  # NVML's used memory of the GPU, max over ranks
     peak_host_rss_GiB_per_node: float | None = None  # sum over a node's ranks, max over nodes
     predicted_gpu_GiB: float | None = None  # the memory planner's prediction, when run
-
-
-class DataCounts(_Strict):
-    """What tokenisation made of the rows; in the run record under ``data``."""
-
-    source: str
-    format: str
-    chat_template: str
-    rows: int  # read from the source
-    examples: int  # sequences kept (before the validation split and packing)
-    truncated: int  # kept, with turns from the end removed to fit max_seq_len
-    dropped_too_long: int  # the first answer alone does not fit max_seq_len
-    dropped_no_answer: int  # no assistant turn with text
-    tokens: int  # in the kept sequences
-    learnt_tokens: int  # of those, carrying loss
-
-    def summary(self) -> str:
-        return (f"data: {self.rows} rows of {self.source} ({self.format}, chat template {self.chat_template}) -> "
-                f"{self.examples} examples, {self.truncated} truncated at a turn, {self.dropped_too_long} dropped "
-                f"as too long, {self.dropped_no_answer} without an answer; {self.learnt_tokens}/{self.tokens} "
-                "tokens carry loss")
 
 
 class RunRecord(_Strict):

@@ -27,9 +27,7 @@ an output folder that already holds checkpoints must be resumed or replaced).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,23 +251,6 @@ def free_space_problem(output: Path, needed: int, layout: Layout = RECIPE_LAYOUT
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
-
-
-def check_writable(output: Path) -> None:
-    """ConfigError naming the folder unless ``output`` (or, before it exists, the folder it will be
-    made in) takes a file; a probe file is written and removed, nothing else is created."""
-    output = Path(output)
-    existing = next(p for p in (output, *output.parents) if p.exists())
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(20, os.strerror(20))
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        where = "" if existing == output else f": '{existing}', where it would be created,"
-        reason = os.strerror(err.errno) if err.errno else str(err)
-        raise ConfigError(f"output folder '{output}' cannot be written{where} ({reason}). Pass --output with a "
-                          "folder you can write to, on a disk with room for the checkpoints.") from err
 
 
 # ---- a resume must continue the same run ----

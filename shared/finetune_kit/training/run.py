@@ -38,10 +38,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune_kit import outputs
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import loading as models
+from finetune_kit.models.shapes import Adapter
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints
 from finetune_kit.training.preemption import StopRequest, stop_line
@@ -107,7 +109,7 @@ class TrainingRun:
 
     @classmethod
     def preflight(cls, recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
-                  num_labels: int | None = None, adapter: memory.Adapter | None = None,
+                  num_labels: int | None = None, adapter: Adapter | None = None,
                   resume_must_match: dict | None = None) -> TrainingRun:
         """Check the model, the launched DeepSpeed config, the batch sizes, the memory and the
         output folder (writable, room for a checkpoint, a resumable checkpoint of the same run), in
@@ -137,7 +139,7 @@ class TrainingRun:
         prometheus.requested_port()
         trackers.check(args.report_to)
         output = Path(args.output)
-        checkpoints.check_writable(output)
+        outputs.check_writable(output)
         if env.is_main_rank():
             for path in checkpoints.clean_partial(output):
                 print(f"removed {path}: a checkpoint save that never completed (not resumable)")
@@ -183,7 +185,7 @@ class TrainingRun:
         prometheus.requested_port()
         trackers.check(trainer_kwargs.get("report_to"), flag="--report_to")
         output = Path(trainer_kwargs["output_dir"])
-        checkpoints.check_writable(output)
+        outputs.check_writable(output)
         if env.is_main_rank():
             for path in checkpoints.clean_partial(output, checkpoints.TRAINER_LAYOUT):
                 print(f"removed {path}: a checkpoint save that never completed (no trainer_state.json)")
@@ -523,7 +525,7 @@ class TrainingRun:
 
     def record_split(self, train_set, eval_set, counts=None) -> None:
         """Remember the split's sizes and held-out rows (``example_ids`` or ``example_id`` columns),
-        and ``counts`` (:class:`~finetune_kit.results.record.DataCounts`) for the run record."""
+        and ``counts`` (:class:`~finetune_kit.data.instructions.DataCounts`) for the run record."""
         self.train_examples = len(train_set)
         self.eval_example_ids = example_ids(eval_set) if eval_set is not None else []
         self.data_counts = counts
