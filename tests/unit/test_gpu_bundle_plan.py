@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from finetune_kit.gpu_check import bundle
+from finetune_kit.repo.pins import read_pins
 from tests.harness import REPO
 
-PINS = bundle.read_pins(REPO / "docker/requirements.txt")
+PINS = read_pins(REPO / "docker/requirements.txt")
 ROOTS = bundle.read_roots(REPO / "pyproject.toml")
 TYPICAL = bundle.parse_freeze((REPO / "docker/gpu-host-packages.txt").read_text())
 

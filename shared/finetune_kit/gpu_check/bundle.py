@@ -29,35 +29,23 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from finetune_kit.repo.pins import normalise, read_pins
+
 HOST_OWN = ("torch", "triton")  # with every nvidia-* library: the host's CUDA build, never replaced
 # the libraries whose features the recipes call: older than the pin is too old; the kit's other
 # dependencies (tokenizers, safetensors, tqdm) only have to be there, at a version their users accept
 EXACT = ("deepspeed", "transformers", "accelerate", "peft", "bitsandbytes", "datasets", "pydantic")
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def host_owns(name: str) -> bool:
     return name in HOST_OWN or name.startswith("nvidia-")
-
-
-def read_pins(requirements: Path) -> dict[str, str]:
-    pins = {}
-    for line in requirements.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if "==" in line:
-            name, version = line.split("==", 1)
-            pins[canonical(name)] = version.split(";")[0].strip()
-    return pins
 
 
 def read_roots(pyproject: Path) -> list[str]:
     import tomllib
 
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [canonical(Requirement(d).name) for d in deps]
+    return [normalise(Requirement(d).name) for d in deps]
 
 
 def parse_freeze(text: str) -> dict[str, str]:
@@ -70,7 +58,7 @@ def parse_freeze(text: str) -> dict[str, str]:
             continue
         name, _, version = line.partition("==")
         if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name.strip()):
-            out[canonical(name.strip())] = version.strip()
+            out[normalise(name.strip())] = version.strip()
     return out
 
 
@@ -79,7 +67,7 @@ def ask_python(python: str) -> dict[str, str]:
             "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], "
             "'packages': {d.metadata['Name']: d.version for d in m.distributions()}}))")
     answer = json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
-    return {"python": answer["python"], **{canonical(k): v for k, v in answer["packages"].items() if k}}
+    return {"python": answer["python"], **{normalise(k): v for k, v in answer["packages"].items() if k}}
 
 
 def target_environment(python_version: str) -> dict[str, str]:
@@ -138,7 +126,7 @@ def plan(host: dict[str, str], pins: dict[str, str], roots: list[str], python_ve
             continue
         carry[name] = {"name": name, "version": pin, "why": why}
         for req in requirements_of(name, env):
-            queue.append((canonical(req.name), req.specifier, f"{name} {pin} needs {req.name}{req.specifier}"))
+            queue.append((normalise(req.name), req.specifier, f"{name} {pin} needs {req.name}{req.specifier}"))
     return list(carry.values())
 
 

@@ -164,29 +164,33 @@ def planner_table(records: list[tuple[str, RunRecord]]) -> list[str]:
     return lines
 
 
-def step_time_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] | None:
-    """Least squares ``step_time = fixed + per_sequence x micro_batch`` over the ZeRO-3, checkpointed
-    runs of one sequence length and one optimizer step per micro-batch (None with fewer than 3)."""
-    points = [(r.training.micro_batch_size, r.measured.step_time_s) for _, r in records
-              if r.training.engine in (None, "deepspeed") and r.training.gradient_checkpointing
-              and r.training.grad_accum == 1 and r.training.seq_len == 4096 and r.measured.step_time_s]
+def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``(intercept, slope)`` of the points; None with fewer than 3 distinct x."""
     if len({x for x, _ in points}) < 3:
         return None
     slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
     return intercept, slope
+
+
+def _checkpointed_zero3_at_4096(rec: RunRecord) -> bool:
+    t = rec.training
+    return (t.engine in (None, "deepspeed") and t.gradient_checkpointing and t.seq_len == 4096
+            and bool(rec.measured.step_time_s))
+
+
+def step_time_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] | None:
+    """Least squares ``step_time = fixed + per_sequence x micro_batch`` over the ZeRO-3, checkpointed
+    runs of one sequence length and one optimizer step per micro-batch (None with fewer than 3)."""
+    return _line([(r.training.micro_batch_size, r.measured.step_time_s) for _, r in records
+                  if _checkpointed_zero3_at_4096(r) and r.training.grad_accum == 1])
 
 
 def accumulation_fit(records: list[tuple[str, RunRecord]]) -> tuple[float, float] | None:
     """Least squares ``step_time = fixed + per_micro_batch x grad_accum`` over the ZeRO-3,
     checkpointed runs of micro-batch 2 at 4,096 tokens (None with fewer than 3 accumulations)."""
-    points = [(r.training.grad_accum, r.measured.step_time_s) for _, r in records
-              if r.training.engine in (None, "deepspeed") and r.training.gradient_checkpointing
-              and r.training.offload == "none" and r.training.micro_batch_size == 2
-              and r.training.seq_len == 4096 and r.measured.step_time_s]
-    if len({x for x, _ in points}) < 3:
-        return None
-    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
-    return intercept, slope
+    return _line([(r.training.grad_accum, r.measured.step_time_s) for _, r in records
+                  if _checkpointed_zero3_at_4096(r) and r.training.offload == "none"
+                  and r.training.micro_batch_size == 2])
 
 
 def ablation_table(records: list[tuple[str, RunRecord]]) -> list[str]:
