@@ -64,7 +64,7 @@ MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora plan readmes \
+.PHONY: help demo test lint unit results train-llama3-8b-zero3 train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes \
 	memory-tables image lock gpu-check gpu-bundle wheelhouse monitor monitor-down clean
 
 help: ## this list
@@ -84,8 +84,8 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # images of the last one build in the background, at the lowest CPU and disk priority, from when the shared
 # environment exists (after unit) while the recipes' sessions run; the image session then finds them in
 # podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
-TEST_SESSIONS := lint unit recipe-llama3-8b-zero3 recipe-llama3-8b-nvme recipe-llama2-13b-zero2 \
-  recipe-llama3-70b-qlora live-metrics gpu-check-cpu gpu-bundle wheelhouse image
+TEST_SESSIONS := lint unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme test-llama2-13b-zero2 \
+  test-llama3-70b-qlora live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	@failed=0; $(NOX) -s lint unit || failed=1; \
@@ -108,8 +108,8 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml] [METRICS_PORT=9450]
-	$(call need_gpus,recipe-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
+train-llama3-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml] [METRICS_PORT=9450]
+	$(call need_gpus,train-llama3-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ -n "$(LAUNCH_CONFIG)" ]; then cfg=$(LAUNCH_CONFIG); elif [ "$(NUM_GPUS)" = "1" ]; then \
 	  cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
@@ -176,8 +176,8 @@ lock: $(NOX) ## regenerate the hash locks from docker/requirements.txt (uv; TORC
 # optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
 MODEL_13B = $(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL))
 OUTPUT_13B = $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT))
-recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
-	$(call need_gpus,recipe-13b-zero2,To try it on CPU: 'nox -s recipe-llama2-13b-zero2' (a tiny Llama 2$(,) 2 processes) or 'make demo'.)
+train-llama2-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
+	$(call need_gpus,train-llama2-13b-zero2,To try it on CPU: 'nox -s test-llama2-13b-zero2' (a tiny Llama 2$(,) 2 processes) or 'make demo'.)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
 	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
@@ -186,13 +186,13 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
 # Checks the main/worker config pair first (seconds), then starts this node's half of the job.
-recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
-	$(call need_gpus,recipe-70b-qlora,The CPU check of this recipe: 'nox -s recipe-llama3-70b-qlora'.)
+train-llama3-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
+	$(call need_gpus,train-llama3-70b-qlora,The CPU check of this recipe: 'nox -s test-llama3-70b-qlora'.)
 	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
 	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
 ifneq ($(CONTAINER),)
 	set -x && $(call in_container,llama3-70b-qlora,$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
-	  recipe-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
+	  train-llama3-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
 	  MODEL_70B="$(call local_or_hub,$(MODEL_70B))" DATA='$(foreach d,$(DATA),$(call local_or_hub,$(d)))' \
 	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)' METRICS_PORT=$(METRICS_PORT)
 else

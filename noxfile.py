@@ -1,11 +1,11 @@
 """Verification sessions. `make test` runs the default ones; `make demo` runs `demo`.
 
     nox                             # lint, unit, and every recipe session
-    nox -s recipe-llama3-8b-zero3   # one recipe end to end on a tiny model, 2 CPU processes
+    nox -s test-llama3-8b-zero3   # one recipe end to end on a tiny model, 2 CPU processes
     nox -s demo                     # the 8B recipe on the tiny model, for a first look
     nox -s results                  # regenerate results/README.md and results/throughput.png
     nox -s image                    # build the images with podman and train in the 8B one
-    nox -s recipe-llama3-8b-nvme    # ZeRO-Infinity to a temporary folder (compiles DeepSpeed's async_io first)
+    nox -s test-llama3-8b-zero3-nvme    # ZeRO-Infinity to a temporary folder (compiles DeepSpeed's async_io first)
     nox -s live-metrics             # a real Prometheus scraping a 2-process run; TensorBoard beside it
     nox -s lock                     # regenerate the hash locks from the pins (make lock)
 
@@ -26,8 +26,8 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "recipe-llama3-8b-zero3", "recipe-llama3-8b-nvme", "recipe-llama2-13b-zero2",
-                        "recipe-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
+nox.options.sessions = ["lint", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme", "test-llama2-13b-zero2",
+                        "test-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -103,19 +103,19 @@ def recipe_session(name: str, what: str) -> None:
         run_in_stack(session, "pytest", f"tests/recipes/test_{name.replace('-', '_')}.py", *session.posargs)
 
     run.__doc__ = f"The {name} recipe end to end: {what}."
-    nox.session(name=f"recipe-{name}", venv_backend="none")(run)
+    nox.session(name=f"test-{name}", venv_backend="none")(run)
 
 
 for _name, _what in RECIPE_SESSIONS.items():
     recipe_session(_name, _what)
 
 
-@nox.session(name="recipe-llama3-8b-nvme", venv_backend="none")
+@nox.session(name="test-llama3-8b-zero3-nvme", venv_backend="none")
 def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     """The 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*), 2 CPU processes: trains through NVMe swap
     files and resumes exactly. DeepSpeed's async_io op compiles at its first use in the shared
     environment (minutes, once); installs libaio if missing."""
-    run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_nvme.py", *session.posargs)
+    run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_zero3_nvme.py", *session.posargs)
 
 
 @nox.session(name="live-metrics", venv_backend="none")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, SAMPLE  # noqa: F401  (the names tests import from here)
+from tests.harness import load_script
 
 
 @pytest.fixture(scope="session")
@@ -44,19 +43,3 @@ def recipe_main(request, monkeypatch):
     for key, value in getattr(request.module, "LAUNCH_ENV", {}).items():
         monkeypatch.setenv(key, value)
     return load_script(recipe / "train.py").main
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    """Write rows as JSON lines; return the path as a string (what --data takes)."""
-    import json
-
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def load_script(path: Path):
-    """Import a recipe's train.py as a module (recipes are folders, not packages)."""
-    spec = importlib.util.spec_from_file_location(f"recipe_{path.parent.name.replace('-', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

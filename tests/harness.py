@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_kit.gpu_check.run import free_port  # noqa: F401  (re-exported for the recipe tests)
+from finetune_kit.gpu_check.runner import free_port  # noqa: F401  (re-exported for the recipe tests)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "shared/finetune_kit/data/samples"
@@ -243,7 +244,7 @@ def assert_throughput_metrics(output: Path, world: int = 2) -> None:
 
 def assert_ranks_disjoint(run_info: dict, world: int = 2) -> None:
     """Every rank saw the whole world and trained on its own rows; validation rows held out."""
-    assert run_info["world_size"] == world
+    assert run_info["devices"] == world
     ranks = {r["rank"]: r for r in run_info["ranks"]}
     assert sorted(ranks) == list(range(world))
     assert all(r["world_size"] == world for r in ranks.values())
@@ -285,3 +286,17 @@ def assert_refused_to_overwrite(proc: subprocess.CompletedProcess, checkpoints: 
     assert proc.returncode != 0
     assert f"already holds {len(before)} checkpoint(s)" in proc.stderr and resume_flag in proc.stderr, proc.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Write rows as JSON lines; return the path as a string (what --data takes)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def load_script(path: Path):
+    """Import a recipe's train.py as a module (recipes are folders, not packages)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{path.parent.name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -30,15 +30,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 # First: the package quiets a bitsandbytes warning that importing the HF Trainer would print (it loads peft)
-from finetune_kit import TrainingRun, data, evaluate_loss, models, run_main
+from finetune_kit import TrainerRun, data, evaluate_loss, models, run_main, save_trainer_model
 
 # isort: split
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 
 from finetune_kit.errors import DataError
-from finetune_kit.launch.accelerator import trainer_cpu_overrides
-from finetune_kit.launch.env import collective_timeout_s
 
 RECIPE = "llama2-13b-zero2"
 CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
@@ -78,7 +76,7 @@ TRAINER_DEFAULTS = dict(
     logging_steps=1, save_steps=200, save_total_limit=2, report_to="none", seed=42,
     bf16=None, fp16=None,  # None: taken from the DeepSpeed JSON
     resume_from_checkpoint="auto",  # the newest checkpoint in --output_dir if any; never over a finished run
-    ddp_timeout=collective_timeout_s(),  # seconds a collective waits for a silent rank (FINETUNE_COLLECTIVE_TIMEOUT_S)
+    ddp_timeout=None,  # seconds a collective waits for a silent rank; None: FINETUNE_COLLECTIVE_TIMEOUT_S or 600
 )
 # What the code below relies on: real-token counting for tokens/s, example ids kept for the run record.
 TRAINER_FIXED = dict(include_num_input_tokens_seen="non_padding", remove_unused_columns=False,
@@ -101,18 +99,17 @@ def preflight(argv=None):
     recipe, trainer_kwargs = parse_args(argv)
     if recipe.data is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
-    run = TrainingRun.preflight_trainer(RECIPE, recipe, trainer_kwargs, zero_stage=2, configs=CONFIGS)
+    run = TrainerRun.preflight(RECIPE, recipe, trainer_kwargs, zero_stage=2, configs=CONFIGS)
     rows = data.load_rows(recipe.data, recipe.data_format, recipe.prompt_field, recipe.response_field)
-    return recipe, trainer_kwargs, run, rows
+    return recipe, run, rows
 
 
 def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
-    recipe, trainer_kwargs, run, rows = preflight(argv)
+    recipe, run, rows = preflight(argv)
 
     # ---- 2. TrainingArguments (fills the JSON's "auto" values); the process group starts here ----
-    args = TrainingArguments(**{**trainer_kwargs, **TRAINER_FIXED, **trainer_cpu_overrides()})
-    run.check_trainer_arguments(args)
+    args = run.training_arguments(**TRAINER_FIXED)
     set_seed(args.seed)
     world = args.world_size
     if args.process_index == 0:
@@ -129,7 +126,7 @@ def main(argv=None) -> None:
     run.record_split(train_set, eval_set, counts)
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     recorder = data.RowRecorder(data.PackedCollator() if recipe.pack else pad)  # rows this rank loaded, for the record
-    run.check_enough_data(len(train_set), args)
+    run.check_enough_data(len(train_set))
 
     # ---- 4. Model: every rank holds the bf16 weights; ZeRO-2 splits gradients and optimizer ----
     model = models.load_causal_lm(recipe.model)
@@ -138,13 +135,13 @@ def main(argv=None) -> None:
     model.config.use_cache = False
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
-    trainer = run.metered_trainer(model=model, args=args, train_dataset=train_set, data_collator=recorder,
-                                  processing_class=tokenizer)
+    trainer = run.trainer(model=model, train_dataset=train_set, data_collator=recorder, processing_class=tokenizer)
+    # checkpoint-N every --save_steps; a stop signal (SIGTERM, SIGUSR1) saves one and exits 0
     trainer.train(resume_from_checkpoint=str(run.resume_from) if run.resume_from else None)
 
     # ---- 6. Save the consolidated model; validation, run record and run info ----
     # ZeRO-2: every rank has the full weights; rank 0 writes
-    model_dir = run.save_trainer_model(trainer) if recipe.save_model else None
+    model_dir = save_trainer_model(trainer, run.output / "model") if recipe.save_model else None
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
     if eval_set is not None:
         eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=args.per_device_eval_batch_size,

@@ -23,9 +23,14 @@ shards, every validation, LoRA settings, the memory plan).
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader
+# First: the package quiets a bitsandbytes warning that importing peft would print
+from finetune_kit import TrainingRun, recipe_parser, run_main, save_adapter
 
-from finetune_kit import TrainingRun, recipe_parser, run_main
+# isort: split
+from peft import LoraConfig
+from torch.utils.data import DataLoader
+from transformers import BitsAndBytesConfig
+
 from finetune_kit.data import reviews
 from finetune_kit.launch import multinode
 from finetune_kit.models import load_tokenizer, qlora
@@ -95,11 +100,17 @@ def main(argv=None) -> None:
 
     # ---- 4. Model: nf4 base loaded shard by shard (zero.Init), LoRA + head trainable ----
     dtype = qlora.parse_dtype(args.dtype, "--dtype")
-    model = qlora.load_quantized_classifier(args.model, pad_token_id=tokenizer.pad_token_id, dtype=dtype,
-                                            quant_storage=qlora.parse_dtype(args.quant_storage, "--quant-storage"))
-    model = qlora.add_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                           target_modules=targets, gradient_checkpointing=args.gradient_checkpointing)
-    qlora.keep_cpu_weights_unpacked(model)  # CPU test runs only (no effect on GPUs): see its docstring
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
+        bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved
+        bnb_4bit_compute_dtype=dtype,  # matmuls run in this dtype after dequantising
+        bnb_4bit_quant_storage=qlora.parse_dtype(args.quant_storage, "--quant-storage"))  # ZeRO-3: = --dtype
+    model = qlora.load_quantized_classifier(args.model, quantization, pad_token_id=tokenizer.pad_token_id,
+                                            dtype=dtype)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=targets, task_type="SEQ_CLS", bias="none",
+                      modules_to_save=[qlora.HEAD])  # the new classification head trains in full
+    model = qlora.add_lora(model, lora, gradient_checkpointing=args.gradient_checkpointing)
     param_classes = qlora.parameter_classes(model)
     accelerator.print(f"parameters: {param_classes}")
 
@@ -122,10 +133,12 @@ def main(argv=None) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        run.micro_batch_done(loss, batch)  # logs, validates, saves checkpoints/step_N on schedule
+        run.micro_batch_done(loss, batch)  # logs each optimizer step; validates after each epoch
+        if run.checkpoint_due():  # every --save-every steps, the last step, or a stop signal (SIGTERM, SIGUSR1)
+            run.save_checkpoint()  # checkpoints/step_N; after a stop signal the process exits 0 here
 
     # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
-    adapter_dir = qlora.save_adapter(accelerator, model, tokenizer, run.output / "adapter") if args.save_model else None
+    adapter_dir = save_adapter(accelerator, model, tokenizer, run.output / "adapter") if args.save_model else None
     run.finish(model, saved_to=adapter_dir, details={
         "data_counts": counts, "parameter_classes": param_classes,
         "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,

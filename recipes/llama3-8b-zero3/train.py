@@ -99,7 +99,9 @@ def main(argv=None) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        run.micro_batch_done(loss, batch)  # logs, saves checkpoints/step_N on schedule
+        run.micro_batch_done(loss, batch)  # logs each optimizer step
+        if run.checkpoint_due():  # every --save-every steps, the last step, or a stop signal (SIGTERM, SIGUSR1)
+            run.save_checkpoint()  # checkpoints/step_N; after a stop signal the process exits 0 here
 
     # ---- 7. Save the consolidated model; validation, run record and run info ----
     model_dir = save_consolidated(accelerator, model, tokenizer, run.output / "model") if args.save_model else None

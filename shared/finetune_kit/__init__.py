@@ -4,8 +4,8 @@
     models/     shapes from a config (no weights), loading with a real pad token, tiny test models, QLoRA
     launch/     what the launcher set up: its environment, the launched configs' checks, the Accelerator,
                 multi-node preflight and handshake
-    training/   the run lifecycle (checks, position, logging/eval/save schedule, records), the flags
-                every recipe shares, checkpoints, evaluation, the metered HF Trainer
+    training/   a run from preflight to records: the checks, the loop around the recipe's body (or the
+                metered HF Trainer's), checkpoints and resharding, the final model, the shared flags
     metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl
     planning/   will it fit? memory per GPU and per node before launch (python -m finetune_kit.planning)
     gpu_check/  every recipe's code path on the real shapes on one GPU, tiny on CPU (python -m finetune_kit.gpu_check)
@@ -17,6 +17,7 @@ A recipe needs a handful of names, importable from here without loading torch un
 
 import logging
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -27,13 +28,26 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 _EXPORTS = {
     "TrainingRun": "finetune_kit.training.run",
+    "TrainerRun": "finetune_kit.training.trainer_run",
     "recipe_parser": "finetune_kit.training.arguments",
-    "save_consolidated": "finetune_kit.training.checkpoints",
+    "save_consolidated": "finetune_kit.training.final_model",
+    "save_trainer_model": "finetune_kit.training.final_model",
+    "save_adapter": "finetune_kit.training.final_model",
     "evaluate_loss": "finetune_kit.training.evaluation",
     "UserInputError": "finetune_kit.errors",
     "run_main": "finetune_kit.launch.failures",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = ["TrainerRun", "TrainingRun", "UserInputError", "__version__", "evaluate_loss", "recipe_parser", "run_main",
+           "save_adapter", "save_consolidated", "save_trainer_model"]  # = _EXPORTS, spelled out for static tools
+
+if TYPE_CHECKING:  # the same names for editors and type checkers; at run time they load on first use
+    from finetune_kit.errors import UserInputError
+    from finetune_kit.launch.failures import run_main
+    from finetune_kit.training.arguments import recipe_parser
+    from finetune_kit.training.evaluation import evaluate_loss
+    from finetune_kit.training.final_model import save_adapter, save_consolidated, save_trainer_model
+    from finetune_kit.training.run import TrainingRun
+    from finetune_kit.training.trainer_run import TrainerRun
 
 
 def __getattr__(name: str):

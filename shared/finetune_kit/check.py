@@ -42,7 +42,7 @@ from finetune_kit.launch.failures import ERROR_FILE_VAR
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
-def check(launch: command.Launch) -> str:
+def check_launch(launch: command.Launch) -> str:
     """Run the launched train.py's ``preflight`` here, in the environment its first rank would have;
     raise UserInputError for bad input. Return what it printed (on a launch its ranks print it)."""
     script = Path(launch.script)
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     try:
         launch = command.parse(opts.launch)
-        printed = check(launch)
+        printed = check_launch(launch)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

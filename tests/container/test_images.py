@@ -75,7 +75,7 @@ def test_the_images_run_as_a_non_root_user_and_carry_no_token(env, recipe_image)
 
 @pytest.fixture(scope="module")
 def container_run(env, recipe_image, tmp_path_factory):
-    """The README's container mode, `make recipe-8b-zero3 CONTAINER=podman`, with 2 CPU processes: the
+    """The README's container mode, `make train-llama3-8b-zero3 CONTAINER=podman`, with 2 CPU processes: the
     model and data mounted read-only, the output folder and the Hugging Face cache writable by the
     image's user, DeepSpeed's JIT cache pointed into the output to show that nothing lands there.
     No GPU flags here, and no --ulimit: this host's root may not raise the limits they set."""
@@ -89,7 +89,7 @@ def container_run(env, recipe_image, tmp_path_factory):
     output = outputs  # made and owned by the image's user: `make` would create a missing one as root
     train_args = (f"--max-seq-len 128 --micro-batch-size 4 --grad-accum 2 --lr 1e-3 --max-steps {STEPS} "
                   f"--save-every {SAVE_EVERY} --keep-checkpoints 0")
-    make = ["make", "--no-print-directory", "recipe-8b-zero3", "CONTAINER=podman", "GPU_FLAGS=", "ULIMIT_FLAGS=",
+    make = ["make", "--no-print-directory", "train-llama3-8b-zero3", "CONTAINER=podman", "GPU_FLAGS=", "ULIMIT_FLAGS=",
             f"IMAGE_TAG={recipe_image.rsplit(':', 1)[1]}", "NUM_GPUS=2", f"MODEL={model}",
             f"DATA={SAMPLES / 'instructions.jsonl'}", f"OUTPUT={output}", f"HF_CACHE={cache}",
             f"CONTAINER_FLAGS=--pull=never -e TORCH_EXTENSIONS_DIR={outputs / 'torch_extensions'}",

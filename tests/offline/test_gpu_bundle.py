@@ -111,7 +111,7 @@ def test_the_gpu_check_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path)
     assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
     assert where[2].startswith(str(host["site"]))
     proc = subprocess.run([str(host["python"]), "-m", "finetune_kit.gpu_check", "--tiny", "--no-save",
-                           "--cases", "llama3-8b-zero3,llama3.3-70b-qlora", "--out", str(tmp_path)],
+                           "--cases", "llama3-8b-zero3,llama3-70b-qlora", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "summary.json").read_text())["cases"]

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from finetune_kit.gpu_check.cases import BY_NAME
-from finetune_kit.gpu_check.models import check_shape
+from finetune_kit.gpu_check.synthetic import check_shape
 from tests.harness import REPO, launch_env
 
 pytestmark = pytest.mark.recipe

@@ -10,7 +10,7 @@ offload config) and `torchrun` (the same run as the main one). Bad input is chec
 the script stops before it creates a process group.
 
 Regenerate the golden losses after an intended numerics change with
-``UPDATE_GOLDEN=1 nox -s recipe-llama2-13b-zero2`` and say why in the commit.
+``UPDATE_GOLDEN=1 nox -s test-llama2-13b-zero2`` and say why in the commit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import write_jsonl
 from tests.harness import (
     REPO,
     SAMPLE,
@@ -45,6 +44,7 @@ from tests.harness import (
     sample_examples,
     script_command,
     script_launch,
+    write_jsonl,
 )
 
 pytestmark = pytest.mark.recipe
@@ -215,7 +215,7 @@ def test_accumulation_4x1_matches_1x4(run, short_run):
 
 def test_both_launchers_give_the_same_losses(run, short_run):
     other = short_run("torchrun", launcher="torchrun")
-    assert read_run_info(other)["world_size"] == 2
+    assert read_run_info(other)["devices"] == 2
     assert losses(other) == pytest.approx(losses(run)[:3], abs=1e-5)
 
 
@@ -306,7 +306,7 @@ def test_offload_config_trains_with_cpu_adam(run, short_run):
 
 def test_fp16_config_carries_the_seeds_loss_scaler():
     """The fp16 config as DeepSpeed's parser reads it, on every CPU (also in
-    tests/unit/test_launch_checks.py); where the CPU has fp16 kernels, test_fp16_trains_... runs it."""
+    tests/unit/launch/test_launch_checks.py); where the CPU has fp16 kernels, test_fp16_trains_... runs it."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     raw = json.loads((RECIPE / "configs/zero2-fp16.json").read_text())

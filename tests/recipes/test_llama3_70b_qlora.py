@@ -10,7 +10,7 @@ commands only the model (a tiny Llama 3), the data (the shipped sample), --num_p
 --lora-dropout 0 (so a resumed run can be compared with the uninterrupted one exactly).
 
 Regenerate the golden losses after an intended numerics change with
-``UPDATE_GOLDEN=1 nox -s recipe-llama3-70b-qlora`` and say why in the commit.
+``UPDATE_GOLDEN=1 nox -s test-llama3-70b-qlora`` and say why in the commit.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def test_run_record_counts_frozen_base_flops(run, run_info, tiny_llama3):
     steady = read_metrics(run)[rec.measured.warmup_steps_excluded:]
     ratio = [m["model_tflop_per_s_per_device"] * 1e12 / m["tokens_per_s_per_device"] for m in steady]
     # FLOPs per real token lie between the formula at the shortest and the longest padded length
-    assert all(counter.per_token(8) * 0.999 <= r <= counter.per_token(run_info["max_seq_len"]) * 1.001 for r in ratio)
+    assert all(counter.per_token(8) * 0.999 <= r <= counter.per_token(run_info["seq_len"]) * 1.001 for r in ratio)
     assert counter.per_token(64) < full.per_token(64)
     assert rec.measured.predicted_gpu_GiB == pytest.approx(run_info["memory_plan"]["gpu_total_GiB"], abs=1e-3)
 
@@ -343,7 +343,7 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     (("main_process_port: 29500", "main_process_port: 29501"), r"main_process_port differs"),
 ])
 def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, pattern, recipe_copy, tmp_path):
-    """What `make recipe-70b-qlora` runs before launching: fails in well under a second."""
+    """What `make train-llama3-70b-qlora` runs before launching: fails in well under a second."""
     import re
 
     worker = tmp_path / "worker.yaml"
@@ -465,6 +465,6 @@ def test_two_hosts_in_network_namespaces_form_one_world(recipe_copy, tiny_llama3
                    for name in ns)
     assert_ok(nodes)
     info = read_run_info(output)
-    assert info["world_size"] == 2
+    assert info["devices"] == 2
     assert sorted(r["machine_rank"] for r in info["ranks"]) == [0, 1]
     assert all(r["world_size"] == 2 for r in info["ranks"])

@@ -9,7 +9,7 @@
   stays inside each example (a block-diagonal causal mask for SDPA/eager; variable-length
   kernels for FlashAttention). Each example's first label is -100, so no token is learnt
   from the example before it. A packed example therefore sees exactly what it would see
-  alone (tests/unit/test_packing.py checks the losses agree).
+  alone (tests/unit/data/test_packing.py checks the losses agree).
 
 Collators also return ``example_ids`` (the source rows in each row): pop it before the
 forward pass (``TrainingRun.batches`` and :class:`RowRecorder` do).

@@ -1,7 +1,7 @@
 import sys
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.gpu_check.run import main
+from finetune_kit.gpu_check.runner import main
 
 try:
     sys.exit(main())

@@ -45,7 +45,7 @@ def load_deepspeed_config(path: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"DeepSpeed config '{path}' holds a JSON {type(config).__name__}, not an object of "
                           "settings; start from one of the recipe's configs/*.json.")
-    deepspeed_keys.check(config, source=str(path))
+    deepspeed_keys.check_keys(config, source=str(path))
     return config
 
 

@@ -42,7 +42,7 @@ def adam_op(ds_config: dict) -> str:
     return "CPUAdamBuilder" if offload in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
-def check(ds_config: dict, *, quantized: bool = False) -> list[str]:
+def check_ops(ds_config: dict, *, quantized: bool = False) -> list[str]:
     """Raise ConfigError naming the mismatch and the fix; return what was found usable."""
     import torch
 

@@ -121,7 +121,7 @@ def build(setup: DeepSpeedSetup) -> dict:
                "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                "steps_per_print": 1000000, "wall_clock_breakdown": False}
     config |= setup.extra
-    deepspeed_keys.check(config, "the built DeepSpeed config")
+    deepspeed_keys.check_keys(config, "the built DeepSpeed config")
     return config
 
 

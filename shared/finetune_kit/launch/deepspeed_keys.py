@@ -46,7 +46,7 @@ SECTIONS = {
 }
 
 
-def check(config: dict, source: str = "DeepSpeed config") -> None:
+def check_keys(config: dict, source: str = "DeepSpeed config") -> None:
     """Raise ConfigError for a key DeepSpeed does not know, at the top level or in a validated section."""
     unknown = [key for key in config if key not in TOP_LEVEL]
     if unknown:

@@ -77,8 +77,9 @@ def read() -> FsdpLaunch:
     )
 
 
-def check(launch: FsdpLaunch, *, model_config, gradient_checkpointing: bool, source: str = "the accelerate YAML",
-          checkpointing_flag: str = "--no-gradient-checkpointing") -> None:
+def check_settings(launch: FsdpLaunch, *, model_config, gradient_checkpointing: bool,
+                   source: str = "the accelerate YAML",
+                   checkpointing_flag: str = "--no-gradient-checkpointing") -> None:
     """ConfigError naming the setting, the rule and the fix for what the recipes do not support."""
     layer = decoder_layer_class(model_config)
     problems = []

@@ -24,7 +24,7 @@ def nvme_paths(ds_config: dict) -> dict[str, str | None]:
             if isinstance(zero.get(name), dict) and str(zero[name].get("device", "")).lower() == "nvme"}
 
 
-def check(ds_config: dict, source: str) -> None:
+def check_paths(ds_config: dict, source: str) -> None:
     """ConfigError naming the value, the rule and the fix; nothing when no section offloads to NVMe."""
     from finetune_kit.outputs import check_writable
 

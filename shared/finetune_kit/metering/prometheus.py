@@ -122,11 +122,11 @@ class MetricsEndpoint:
         import psutil
         import torch
 
-        from finetune_kit.metering import memory
+        from finetune_kit.metering import peak_memory
 
         process = psutil.Process()
         gauge(HOST_RSS).labels(**labels).set_function(lambda: process.memory_info().rss)
-        gauge(HOST_RSS_PEAK).labels(**labels).set_function(lambda: memory.peaks()[keys.HOST_RSS.key] * 2**30)
+        gauge(HOST_RSS_PEAK).labels(**labels).set_function(lambda: peak_memory.peaks()[keys.HOST_RSS.key] * 2**30)
         if not torch.cuda.is_available():
             return
         device = torch.cuda.current_device()

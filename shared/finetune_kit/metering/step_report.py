@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from finetune_kit.metering import keys, memory
+from finetune_kit.metering import keys, peak_memory
 from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
@@ -53,7 +53,7 @@ class StepReport:
         own_tokens = self.tally.tokens
         rate = self.meter.step(**self.tally.reduce(acc))
         record = {keys.STEP.key: step, keys.EPOCH.key: epoch, keys.LOSS.key: loss, keys.LR.key: lr,
-                  **rate.as_metrics(), **memory.peaks()}
+                  **rate.as_metrics(), **peak_memory.peaks()}
         if self.endpoint is not None:
             self.endpoint.update(record)
             self.endpoint.rank_tokens(own_tokens)

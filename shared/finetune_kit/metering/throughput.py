@@ -14,7 +14,7 @@ In a training loop::
     meter = ThroughputMeter(num_devices=world, peak_tflops=flops.peak_tflops(device_name))
     ...  for each micro-batch:  tally.add(batch)
     ...  at each optimizer step: rate = meter.step(**tally.reduce(accelerator))
-    metrics = rate.as_metrics() | memory.peaks()       # metering.memory
+    metrics = rate.as_metrics() | memory.peaks()       # metering.peak_memory
     summary = meter.summary(warmup_steps=3)     # medians for the run record
 """
 

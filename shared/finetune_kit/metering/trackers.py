@@ -23,7 +23,7 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 CHOICES = ("none", *PACKAGES)
 
 
-def check(report_to: str | list[str] | None, flag: str = "--report-to") -> list[str]:
+def check_trackers(report_to: str | list[str] | None, flag: str = "--report-to") -> list[str]:
     """The trackers asked for (``none`` and empty: ``[]``); a ConfigError, before anything loads,
     for an unknown one or one whose package is missing."""
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
@@ -44,7 +44,7 @@ def accelerator_kwargs(report_to: str | None, output: Path) -> dict:
     TensorBoard writes; ``{}`` for none."""
     from accelerate.utils import ProjectConfiguration
 
-    names = check(report_to)
+    names = check_trackers(report_to)
     if not names:
         return {}
     where = ProjectConfiguration(project_dir=str(output), logging_dir=str(Path(output) / "tensorboard"))

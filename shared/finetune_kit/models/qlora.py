@@ -9,8 +9,9 @@ adapters (PEFT) and the classification head ``score`` train. Two rules ZeRO-3 im
 - no ``device_map``: ZeRO-3 decides where each shard lives; transformers refuses both.
 
 Under ZeRO-3 every rank holds only a slice of each parameter and ``p.data`` is an empty
-placeholder, so a plain ``save_pretrained`` writes zero-size adapter tensors.
-:func:`save_adapter` gathers the trainable parameters first.
+placeholder, so a plain ``save_pretrained`` writes zero-size adapter tensors:
+:func:`trainable_state_dict` gathers the trainable parameters first
+(``training.final_model.save_adapter`` writes them).
 """
 
 from __future__ import annotations
@@ -86,44 +87,46 @@ def bnb_config(dtype: torch.dtype, quant_storage: torch.dtype):
     )
 
 
-def load_quantized_classifier(model: str, *, pad_token_id: int, num_labels: int = 2,
+def load_quantized_classifier(model: str, quantization=None, *, pad_token_id: int, num_labels: int = 2,
                               dtype: torch.dtype = torch.bfloat16, quant_storage: torch.dtype = torch.bfloat16,
                               device_map=None):
-    """``AutoModelForSequenceClassification`` with an nf4 base (frozen) and a new ``score`` head.
+    """``AutoModelForSequenceClassification`` with a 4-bit base (frozen) and a new ``score`` head.
 
-    Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank loads only
-    its shard. ``pad_token_id`` goes into the config: the classifier reads the last
+    ``quantization``: a ``BitsAndBytesConfig`` (None: :func:`bnb_config` of ``dtype`` and
+    ``quant_storage``). Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank
+    loads only its shard. ``pad_token_id`` goes into the config: the classifier reads the last
     non-pad token of each row and refuses batches of several rows without it.
     """
     from transformers import AutoModelForSequenceClassification
 
     kwargs = {"device_map": device_map} if device_map else {}
     net = AutoModelForSequenceClassification.from_pretrained(
-        model, num_labels=num_labels, quantization_config=bnb_config(dtype, quant_storage),
+        model, num_labels=num_labels, quantization_config=quantization or bnb_config(dtype, quant_storage),
         dtype=dtype, attn_implementation=ATTENTION, **kwargs)
     net.config.pad_token_id = pad_token_id
     return net
 
 
-def add_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: str | list[str] = "all-linear",
-             gradient_checkpointing: bool = True):
-    """Freeze the base, wrap it with LoRA adapters, train ``score`` in full (modules_to_save)."""
-    from peft import LoraConfig, TaskType, get_peft_model
+def add_lora(model, config, *, gradient_checkpointing: bool = True):
+    """Freeze the base and wrap it with the adapters of ``config`` (a peft ``LoraConfig``); a
+    ConfigError when a named target matches no layer. On a CPU-only machine the 4-bit layers are
+    kept out of bitsandbytes' CPU repacking (:func:`keep_cpu_weights_unpacked`)."""
+    from peft import get_peft_model
 
     if gradient_checkpointing:
         # non-reentrant: works with frozen inputs and ZeRO-3's parameter hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()  # frozen embeddings: let gradients reach the checkpointed blocks
         model.config.use_cache = False
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        task_type=TaskType.SEQ_CLS, modules_to_save=[HEAD], bias="none")
+    targets = config.target_modules
     model = get_peft_model(model, config)
-    if target_modules != "all-linear":  # PEFT skips a name that matches nothing, if another one matches
+    if targets != "all-linear":  # PEFT skips a name that matches nothing, if another one matches
         adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
-        missing = [name for name in target_modules if name not in adapted]
+        missing = sorted(name for name in targets if name not in adapted)
         if missing:
             raise ConfigError(f"--lora-targets names {missing}, which match no layer of the model; its adapted "
                               f"layers would be {sorted(adapted)}. Fix the names (e.g. q_proj,k_proj,v_proj,o_proj).")
+    keep_cpu_weights_unpacked(model)
     return model
 
 
@@ -196,23 +199,6 @@ def trainable_state_dict(model) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
             return {name: p.detach().cpu().clone() for name, p in params.items()}
     return {name: p.detach().cpu().clone() for name, p in params.items()}
-
-
-def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:
-    """Write the LoRA adapter and the head (``adapter_model.safetensors``) plus tokenizer.
-
-    Loadable with ``PeftModel.from_pretrained(base, out)``. All ranks must call; rank 0 writes.
-    """
-    state = trainable_state_dict(accelerator.unwrap_model(model))
-    if accelerator.is_main_process:
-        empty = [name for name, t in state.items() if t.numel() == 0]
-        if empty:
-            raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
-        with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
-            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(folder)
-    accelerator.wait_for_everyone()
-    return Path(out)
 
 
 def load_adapter_for_eval(base: str, adapter: str | Path, *, pad_token_id: int, dtype: torch.dtype = torch.bfloat16,

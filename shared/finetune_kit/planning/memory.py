@@ -229,7 +229,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     (their GPT block: 34·s·b·h + 5·a·s²·b bytes). Here for transformers' Llama block, bf16,
     b = micro-batch, s = sequence length, h = hidden, f = intermediate size, a = heads; bytes
     per token, as listed by walking the autograd graph of transformers 5.23's LlamaForCausalLM
-    (tests/unit/test_memory.py does this on a tiny model and compares):
+    (tests/unit/planning/test_memory.py does this on a tiny model and compares):
 
     * each RMSNorm keeps its input cast to fp32 (4h) and the normalised bf16 tensor (2h);
     * attention: q/k/v projections' shared input 2h; SDPA (flash or memory-efficient kernel, no
@@ -300,7 +300,7 @@ class Setup:
 
 # CUDA context, cuBLAS workspaces and NCCL buffers live outside PyTorch's allocator: NVML's used
 # memory exceeded torch's reserved peak by 1.8-2.2 GiB in every H100 run in results/runs (torch
-# 2.11+cu130; tests/unit/test_planner_calibration.py reads them). The caching allocator's
+# 2.11+cu130; tests/unit/planning/test_planner_calibration.py reads them). The caching allocator's
 # fragmentation adds roughly a tenth to what tensors use.
 CUDA_CONTEXT_GIB = 2.0
 FRAGMENTATION = 0.10

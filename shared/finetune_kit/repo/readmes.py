@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.planning.cli import markdown_table, recipe_table
+from finetune_kit.planning.recipe_tables import recipe_table
+from finetune_kit.tables import markdown_table
 
 NOTES = "recipes/deepspeed-knobs.json"
 BEGIN = "<!-- generated:{name}:begin (make readmes; edit {source}, not this block) -->"

@@ -22,7 +22,7 @@ from finetune_kit.data.instructions import DataCounts
 from finetune_kit.metering.flops import device_name
 from finetune_kit.repo.pins import read_pins
 
-SCHEMA = "finetune-kit/run-record/1"
+SCHEMA = "finetune-kit/run-record/2"  # 2: hardware.peak_bf16_tflop_per_s_per_device
 LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
 
 
@@ -47,7 +47,7 @@ class Hardware(_Strict):
     device: str  # torch.cuda.get_device_name(), or "cpu"
     devices: int  # total over all nodes
     nodes: int
-    peak_bf16_tflops_per_device: float | None  # None: CPU or unknown device, no MFU
+    peak_bf16_tflop_per_s_per_device: float | None  # None: CPU or unknown device, no MFU
 
 
 class Software(_Strict):
@@ -189,7 +189,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
     """Assemble the record at the end of a run from what the script already has.
 
     ``training``: method, seq_len, micro_batch_size, grad_accum, gradient_checkpointing
-    [, packing]; ``peaks``: from ``metering.memory.peaks_all_ranks``; ``ds_config``: the DeepSpeed
+    [, packing]; ``peaks``: from ``metering.peak_memory.peaks_all_ranks``; ``ds_config``: the DeepSpeed
     JSON, or under ``engine="fsdp2"`` the FSDP settings (hashed with the arguments).
     """
     num_labels = flop_counter.num_labels
@@ -204,7 +204,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
                         params_matmul=arch.matmul_params(num_labels), params_trainable=params_trainable,
                         truncated="truncated" in arch.name),
         hardware=Hardware(device=device_name(), devices=world, nodes=nodes,
-                          peak_bf16_tflops_per_device=meter.peak_tflops),
+                          peak_bf16_tflop_per_s_per_device=meter.peak_tflops),
         software=software(),
         training=Training(zero_stage=3 if engine == "fsdp2" else ds_config.get("zero_optimization", {}).get("stage", 0),
                           offload=offload_of(ds_config), engine=engine,
@@ -219,7 +219,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
 
 # ---- run_info.json: what one run did, in the same shape for every recipe ----
 
-RUN_INFO_SCHEMA = "finetune-kit/run-info/1"
+RUN_INFO_SCHEMA = "finetune-kit/run-info/2"  # 2: devices, seq_len (as in the run record)
 
 
 class RunInfo(_Strict):
@@ -229,7 +229,7 @@ class RunInfo(_Strict):
     schema_: str = Field(RUN_INFO_SCHEMA, alias="schema")
     recipe: str
     model: str
-    world_size: int
+    devices: int  # ranks over all nodes (the run record's hardware.devices)
     nodes: int
     engine: str = "deepspeed"  # "deepspeed" | "fsdp2"
     zero_stage: int  # 3 under FSDP2 (full sharding)
@@ -243,7 +243,7 @@ class RunInfo(_Strict):
     evals: list[dict] = []  # every evaluation of the run, with its step
     train_examples: int  # sequences (after packing) or reviews the training split holds
     eval_example_ids: list[int]  # source rows held out for validation
-    max_seq_len: int
+    seq_len: int  # --max-seq-len (the run record's training.seq_len)
     micro_batch_size: int
     grad_accum: int
     saved_to: str  # the consolidated model or the adapter

@@ -1,11 +1,9 @@
-"""Resumable DeepSpeed checkpoints and the final consolidated 16-bit model.
+"""Where a run's checkpoints live, how one is written whole, and which one a launch resumes.
 
 Layout under a run's output folder::
 
     checkpoints/step_000050/   accelerate.save_state: DeepSpeed shards (model, optimizer,
                                scheduler), RNG states, and trainer_state.json
-    model/                     consolidated safetensors + tokenizer, loadable with plain
-                               AutoModelForCausalLM.from_pretrained
 
 A checkpoint is written whole or not at all: every rank saves into
 ``step_000050.partial/``; once all have finished, rank 0 writes ``manifest.json`` (every
@@ -32,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.outputs import written_whole
 
 STATE_FILE = "trainer_state.json"  # the same name as the Trainer's, written last in both layouts
 MANIFEST = "manifest.json"  # files and sizes of a complete checkpoint (recipe layout)
 PARTIAL = ".partial"  # suffix of a checkpoint still being written
 FINISHED = "run_record.json"  # written at the end of a run: the output holds finished work
 PREFIX = "step_"
+DS_TAG = "pytorch_model"  # the folder accelerate.save_state gives DeepSpeed's own checkpoint
 FREE_SPACE_MARGIN = 1.1  # free disk needed = the checkpoint's predicted size x this
 
 
@@ -269,107 +267,9 @@ def check_same_run(path: Path, identity: dict) -> None:
                           "nothing was overwritten.")
 
 
-# ---- another number of ranks ----
-UNIVERSAL = "universal"  # DeepSpeed's universal checkpoint of a checkpoint, for another number of ranks
-DS_TAG = "pytorch_model"  # the folder accelerate.save_state gives DeepSpeed's own checkpoint
-
-
-def saved_world(path: Path) -> int | None:
-    """The number of ranks that saved the checkpoint (None for checkpoints that predate the record)."""
-    return read_state(path).get("world_size")
-
-
-def trainer_saved_world(path: Path) -> int | None:
-    """Ranks that saved an HF Trainer checkpoint: its ZeRO optimizer partitions (one per rank)."""
-    ranks = {f.name.split("zero_pp_rank_")[1].split("_")[0] for f in Path(path).glob("global_step*/*zero_pp_rank_*")}
-    return len(ranks) or None
-
-
-def universal_folder(path: Path) -> Path:
-    """Where :func:`to_universal` writes the checkpoint's rank-independent copy: ``<path>/universal``, laid
-    out as accelerate's ``load_state`` reads it (``universal/pytorch_model/``)."""
-    return Path(path) / UNIVERSAL
-
-
-def to_universal(path: Path, workers: int = 4) -> Path:
-    """Convert a DeepSpeed checkpoint saved on N ranks into DeepSpeed's universal format (every
-    parameter and optimizer state whole, one folder per parameter), which any number of ranks loads
-    with ``checkpoint.load_universal``. Done once; later calls return the existing copy.
-
-    A resume on another number of ranks calls it on rank 0 while the others wait, which must fit in
-    the collective timeout; for a large model, convert first (``workers`` processes):
-    ``python -m finetune_kit.training.checkpoints to-universal <checkpoint>``."""
-    import argparse
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    out = universal_folder(path)
-    if (out / DS_TAG / "zero").is_dir():
-        return out
-    tmp = out.with_name(out.name + PARTIAL)
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds_to_universal.main(argparse.Namespace(
-        input_folder=str(Path(path) / DS_TAG), output_folder=str(tmp / DS_TAG), num_extract_workers=workers,
-        num_merge_workers=workers, keep_temp_folder=False, strict=True, inject_missing_state=False))
-    tmp.rename(out)
-    return out
-
-
-def reshaped_position(state: dict, saved: int, world: int) -> dict:
-    """The data position of a checkpoint saved on ``saved`` ranks, counted in this launch's
-    micro-batches per rank (the same examples consumed, the global batch being the same)."""
-    consumed = state["batch_in_epoch"] * saved  # micro-batches of all ranks
-    return {**state, "batch_in_epoch": consumed // world}
-
-
 def read_state(path: Path) -> dict:
     """A checkpoint's ``trainer_state.json``: position, ranks, global batch, the run's identity."""
     return json.loads((Path(path) / STATE_FILE).read_text())
-
-
-def restore_nvme_optimizer(engine, path: Path) -> None:
-    """Finish DeepSpeed's load of a ZeRO-3 checkpoint whose optimizer is offloaded to NVMe.
-
-    DeepSpeed 0.19.8 (``engine.load_checkpoint``) copies the checkpoint's swap files back into the
-    swap folder, but skips the rank's optimizer state file. Left there, the resumed run differs
-    from the uninterrupted one:
-
-    * the optimizer's hyperparameters keep their initial values until the schedule steps again: the
-      first update after the resume is made with the schedule's first learning rate (0 in warm-up);
-    * Adam's step count restarts, and the fresh optimizer does not know the moment files that were
-      copied back: the moments restart at zero;
-    * sub-groups too small to swap (DeepSpeed keeps tensors under 1 MiB in memory) lose their fp32
-      weights and moments.
-
-    This restores the hyperparameters and step counts from the state file, registers the copied
-    moment files with the swapper (read at the next swap-in), and restores the in-memory sub-groups
-    and their 16-bit weights. Call it on every rank right after ``accelerator.load_state``.
-    """
-    import torch
-
-    opt = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3; opt.optimizer is the CPU Adam
-    [saved_file] = (Path(path) / DS_TAG).glob(f"*zero_pp_rank_{engine.global_rank}_mp_rank_00_optim_states.pt")
-    saved = torch.load(saved_file, weights_only=False, map_location="cpu")["optimizer_state_dict"]
-    inner = saved["optimizer_state_dict"]
-    for group, saved_group in zip(opt.optimizer.param_groups, inner["param_groups"], strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    swapper = opt.optimizer_swapper
-    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
-        state = inner["state"].get(i)
-        if not state:
-            continue
-        if opt._swappable_optimizer_subgroup(i):
-            # Placeholders of the right size (no memory); the next swap-in points them at the files' contents.
-            numel = opt.fp16_partitioned_groups_flat_numel[i]
-            opt.optimizer.state[fp32] = {k: torch.zeros(1, dtype=fp32.dtype).expand(numel) if torch.is_tensor(v)
-                                         else v for k, v in state.items()}
-            swap_info = swapper._get_param_swap_info(fp32)
-            swap_info.tensors, swap_info.has_state_tensors = swap_info.tensors[:1], False
-            swapper._update_param_state_info(swap_info, fp32)  # exp_avg-<id>.tensor.swp, ...: the copied files
-        else:
-            fp32.data.copy_(saved["fp32_flat_groups"][i].data)
-            opt.optimizer.state[fp32] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
-            opt._reassign_or_swap_out_partitioned_parameters(i)  # the 16-bit weights from the fp32 ones
 
 
 def load_checkpoint(accelerator, path: Path, state: bool = True, **load_kwargs) -> dict | None:
@@ -379,40 +279,3 @@ def load_checkpoint(accelerator, path: Path, state: bool = True, **load_kwargs) 
     """
     accelerator.load_state(str(path), **load_kwargs)
     return read_state(path) if state else None
-
-
-def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
-    """Gather the full 16-bit weights (ZeRO-3: needs stage3_gather_16bit_weights_on_model_save)
-    and write safetensors plus tokenizer. All ranks must call; rank 0 writes. FSDP2 keeps fp32
-    weights (its master copy): they are written in the model's own dtype (``config.dtype``, bf16
-    for Llama), as DeepSpeed writes its 16-bit weights."""
-    import torch
-
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped = accelerator.unwrap_model(model)
-    dtype = getattr(unwrapped.config, "dtype", None)  # what the model was loaded as
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if accelerator.is_main_process and state_dict and isinstance(dtype, torch.dtype):
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    if accelerator.is_main_process:
-        with written_whole(out) as folder:
-            unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-            if isinstance(dtype, torch.dtype):  # save_pretrained records the modules' dtype (FSDP2: fp32)
-                unwrapped.config.dtype = dtype
-                unwrapped.config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-    accelerator.wait_for_everyone()
-    return Path(out)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m finetune_kit.training.checkpoints")
-    parser.add_argument("command", choices=["to-universal"])
-    parser.add_argument("checkpoint", type=Path, help="a complete checkpoint folder (checkpoints/step_N)")
-    parser.add_argument("--workers", type=int, default=4, help="processes reading and merging the shards")
-    cli = parser.parse_args()
-    if not (cli.checkpoint / MANIFEST).is_file():
-        parser.error(f"'{cli.checkpoint}' is not a complete checkpoint folder (no {MANIFEST})")
-    print(f"universal checkpoint: {to_universal(verify(cli.checkpoint), cli.workers)}")

@@ -5,7 +5,7 @@ padded slots, model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimi
 all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and to the trackers of
 ``--report_to``) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
 padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
-mfu_percent (GPUs with a known peak), step_time_s and the ``metering.memory.peaks()`` keys. The loss
+mfu_percent (GPUs with a known peak), step_time_s and the ``metering.peak_memory.peaks()`` keys. The loss
 is the Trainer's: token-weighted over the whole optimizer step, all ranks. Every step also goes
 to the rank's Prometheus endpoint when the run has one (:mod:`finetune_kit.metering.prometheus`).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.metering import keys, memory
+from finetune_kit.metering import keys, peak_memory
 from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
@@ -76,7 +76,7 @@ class MeteringCallback(TrainerCallback):
         if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
             return
         record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
-                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **memory.peaks(),
+                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **peak_memory.peaks(),
                   **keys.loss_scaling(getattr(self.trainer, "model_wrapped", None))}
         if self.endpoint is not None:
             self.endpoint.update(record)

@@ -1,0 +1,77 @@
+"""A recipe's memory setups (``recipes/<name>/memory_plan.json``) and the README table of their predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune_kit.errors import UserInputError
+from finetune_kit.models.shapes import Adapter, resolve_model
+from finetune_kit.planning.memory import GiB, Plan, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.tables import markdown_table
+
+SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
+              "gradient_checkpointing")
+
+
+def gib(value: int) -> str:
+    return f"{value / GiB:.1f}"
+
+
+
+def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
+    path = recipe_dir / "memory_plan.json"
+    if not path.is_file():
+        raise UserInputError(f"{path} does not exist: a recipe lists its memory setups there (see "
+                             "python -m finetune_kit.planning --help).")
+    spec = json.loads(path.read_text())
+    adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    model = spec["model"]
+    if not any(model.startswith(p) for p in ("/", ".")) and (recipe_dir / model).exists():
+        model = str(recipe_dir / model)
+    shape = resolve_model(model)
+    out = []
+    for entry in spec["setups"]:
+        fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
+        config = recipe_dir / entry["config"]
+        if config.suffix in (".yaml", ".yml"):  # an accelerate FSDP launch config
+            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        else:
+            ds = json.loads(config.read_text())
+            setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        out.append((entry, plan(shape, setup)))
+    return out
+
+
+def recipe_table(recipe_dir: Path) -> str:
+    """The markdown memory table of the recipe's setups, with a note on what it counts."""
+    plans = recipe_plans(recipe_dir)
+    rows = []
+    for entry, p in plans:
+        s, kinds = p.setup, p.gpu_by_kind()
+        if p.fits:
+            verdict = f"fits, {p.gpu_headroom_GiB:.1f} GiB free"
+        else:
+            fix = suggest(p.model, s)
+            verdict = "does not fit" + (f"; fix: {'; '.join(fix.changes)} ({gib(fix.plan.gpu_bytes)} GiB/GPU, "
+                                        f"{gib(fix.plan.host_bytes)} GiB host)" if fix else "")
+        cpu = gib(p.host_bytes) + (f" of {s.host_memory_GiB:g}" if s.host_memory_GiB is not None else "")
+        if p.disk_parts:
+            cpu += f" (+ {gib(p.disk_bytes)} on NVMe)"
+        rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
+                     f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
+                     gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
+                     f"**{gib(p.gpu_bytes)}** of {s.gpu_memory_GiB:g}", cpu, verdict])
+    shape = plans[0][1].model
+    if plans[0][1].setup.adapter:
+        states = "the frozen base (nf4 with its quantisation constants, or bf16), LoRA weights with full Adam states"
+    else:
+        states = ("model states as DeepSpeed's own estimators count them (full fine-tuning; FSDP2 rows: 16 bytes "
+                  "per parameter sharded, plus the gathered layers)")
+    note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
+            f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
+            "activations with the loss's logits, and CUDA context + allocator overhead; host RAM per node "
+            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
+    header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
+              "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
+    return note + "\n\n" + markdown_table(header, rows)

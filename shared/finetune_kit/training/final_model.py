@@ -1,0 +1,66 @@
+"""What a run leaves at the end: the consolidated model, the Trainer's model, or the LoRA adapter.
+
+Each is written whole or not at all (``outputs.written_whole``: an interrupted write leaves the
+previous copy in place). Every rank calls; one writes.
+
+    <output>/model/     consolidated 16-bit safetensors + tokenizer (full fine-tunes), loadable
+                        with plain ``AutoModelForCausalLM.from_pretrained``
+    <output>/adapter/   LoRA adapter + classification head + tokenizer (QLoRA), loadable with
+                        ``PeftModel.from_pretrained(base, adapter)``
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune_kit.models import qlora
+from finetune_kit.outputs import written_whole
+
+
+def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
+    """Gather the full 16-bit weights (ZeRO-3: needs stage3_gather_16bit_weights_on_model_save)
+    and write safetensors plus tokenizer. All ranks must call; rank 0 writes. FSDP2 keeps fp32
+    weights (its master copy): they are written in the model's own dtype (``config.dtype``, bf16
+    for Llama), as DeepSpeed writes its 16-bit weights."""
+    import torch
+
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    dtype = getattr(unwrapped.config, "dtype", None)  # what the model was loaded as
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if accelerator.is_main_process and state_dict and isinstance(dtype, torch.dtype):
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if accelerator.is_main_process:
+        with written_whole(out) as folder:
+            unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+            if isinstance(dtype, torch.dtype):  # save_pretrained records the modules' dtype (FSDP2: fp32)
+                unwrapped.config.dtype = dtype
+                unwrapped.config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+    accelerator.wait_for_everyone()
+    return Path(out)
+
+
+def save_trainer_model(trainer, out: Path) -> Path:
+    """The HF Trainer's consolidated model in ``out``, put in place only once complete (all ranks
+    call it; the Trainer writes on rank 0)."""
+    with written_whole(Path(out), writer=trainer.args.should_save) as folder:
+        trainer.save_model(str(folder))
+    return Path(out)
+
+
+def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:
+    """Write the LoRA adapter and the head (``adapter_model.safetensors``) plus tokenizer.
+
+    Loadable with ``PeftModel.from_pretrained(base, out)``. All ranks must call; rank 0 writes.
+    """
+    state = qlora.trainable_state_dict(accelerator.unwrap_model(model))
+    if accelerator.is_main_process:
+        empty = [name for name, t in state.items() if t.numel() == 0]
+        if empty:
+            raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
+        with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
+            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+    accelerator.wait_for_everyone()
+    return Path(out)

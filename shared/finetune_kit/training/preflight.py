@@ -1,0 +1,194 @@
+"""Is this launch good to go? Every check that needs no process group, data or weights, in seconds.
+
+One set of checks with two front ends: :func:`for_accelerate` (the recipes that run their own
+loop, launched with a DeepSpeed JSON or an FSDP2 accelerate YAML) and :func:`for_trainer`
+(the HF Trainer recipe, which names its DeepSpeed JSON with ``--deepspeed``). Both check the
+model's config and the sequence length, the engine's config and its batch sizes, the memory
+plan, the CUDA ops and NVMe paths it needs, the metrics port and trackers, and the output
+folder (writable, room for a checkpoint, a resumable checkpoint of the same run); both return
+a :class:`Preflight` that the run reads from then on. Each failure is one ConfigError that
+names the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune_kit import outputs
+from finetune_kit.errors import ConfigError
+from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
+from finetune_kit.metering import prometheus, trackers
+from finetune_kit.models import loading as models
+from finetune_kit.models.shapes import Adapter, ModelShape, from_config
+from finetune_kit.planning import memory
+from finetune_kit.training import checkpoints, resharding
+
+# What the checks call the batch and resume flags, per kind of script.
+ACCELERATE_FLAGS = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
+                    "gradient_checkpointing": "gradient checkpointing (the default)"}
+TRAINER_FLAGS = {"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
+                 "gradient_checkpointing": "--activation_checkpointing true"}
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks established; the run reads it, nothing changes it."""
+
+    recipe: str
+    output: Path
+    model_config: object  # the transformers config of --model
+    shape: ModelShape  # its shape: memory plan, model FLOPs, the checkpoint's identity
+    ds_path: Path | None  # the launched DeepSpeed JSON; None under FSDP2
+    ds_config: dict  # its settings; {} under FSDP2
+    fsdp: fsdp.FsdpLaunch | None  # the FSDP2 settings, when the launch config selects FSDP
+    memory_plan: memory.Plan
+    resume_from: Path | None  # the checkpoint to continue, or None for a fresh run
+    identity: dict  # what a resumed checkpoint must share with this launch
+    checkpoint_estimate: int  # bytes of the first checkpoint, before one exists to measure
+    script_args: dict  # what configures the run, for the record's config hash
+    method: str = "full"  # "full" | "lora" | "qlora": picks the FLOP formula and labels the record
+    num_labels: int | None = None  # a classification head instead of the LM head
+
+    @property
+    def engine(self) -> str:
+        """``"deepspeed"`` or ``"fsdp2"``: what shards the model in this run."""
+        return "deepspeed" if self.fsdp is None else fsdp.ENGINE
+
+    @property
+    def zero_stage(self) -> int:
+        return 3 if self.fsdp is not None else checks.zero_stage(self.ds_config)
+
+    def reshaping(self) -> bool:
+        """The checkpoint to resume was saved by another number of ranks than this launch has."""
+        saved = self.resume_from and resharding.saved_world(self.resume_from)
+        return bool(saved) and saved != env.world_size()
+
+
+def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
+                   num_labels: int | None = None, adapter: Adapter | None = None,
+                   resume_must_match: dict | None = None) -> Preflight:
+    """The checks of a recipe whose ``args`` carry the flags of ``training.arguments.recipe_parser``.
+    ``launch``/``configs``: the launch command and the configs to suggest; ``resume_must_match``: the
+    recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
+    model_config, shape = _model(args.model, args.max_seq_len)
+    fsdp_launch = fsdp.read() if fsdp.launched() else None
+    if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
+        if method != "full" or zero_stage != 3:
+            raise ConfigError(f"{recipe} runs under DeepSpeed ZeRO-{zero_stage}; FSDP2 launch configs are "
+                              f"supported for full fine-tuning with ZeRO-3's sharding. Launch with {launch}.")
+        fsdp.check_settings(fsdp_launch, model_config=model_config, gradient_checkpointing=args.gradient_checkpointing)
+        ds_path, ds_config = None, {}
+    else:
+        ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
+        checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                                 world=env.world_size(), source=str(ds_path))
+    identity = {"architecture": architecture(model_config, shape), "method": method, "num_labels": num_labels,
+                "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
+
+    def check_resume(checkpoint: Path) -> None:
+        checkpoints.check_same_run(checkpoint, identity)
+        resharding.check_reshape(checkpoint, args, zero_stage, ds_config)
+
+    return _common(
+        recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
+        memory_kwargs=dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                           gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                           adapter=adapter, skip=args.skip_memory_check),
+        report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
+        resume=args.resume, check_resume=check_resume, identity=identity,
+        saving=bool(args.save_every), no_save_flag="--save-every 0",
+        script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
+
+
+def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> Preflight:
+    """The same checks for an HF Trainer recipe: ``recipe_args`` (model, max_seq_len,
+    skip_memory_check) and TrainingArguments' fields as parsed, before they are built. Fills
+    ``bf16``/``fp16`` left as None in ``trainer_kwargs`` from the DeepSpeed JSON."""
+    ds_path = trainer_kwargs["deepspeed"]
+    if not ds_path:
+        raise ConfigError(f"no DeepSpeed config: pass --deepspeed {configs}.")
+    ds_config = checks.load_deepspeed_config(ds_path)
+    if checks.zero_stage(ds_config) != zero_stage:
+        raise ConfigError(f"{ds_path} sets ZeRO stage {checks.zero_stage(ds_config)}; this recipe is "
+                          f"ZeRO-{zero_stage}. Use {configs}.")
+    for key, from_json in checks.precision_flags(ds_config).items():
+        if trainer_kwargs[key] is None:  # --bf16/--fp16 not given: the JSON decides
+            trainer_kwargs[key] = from_json
+    checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
+    model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
+    identity = {"architecture": architecture(model_config, shape)}
+
+    def check_resume(checkpoint: Path) -> None:
+        saved = resharding.trainer_saved_world(checkpoint)
+        if saved and saved != env.world_size():
+            raise ConfigError(f"checkpoint '{checkpoint}' was saved by {resharding.ranks(saved)}, this launch has "
+                              f"{env.world_size()}: the Trainer's ZeRO-2 checkpoints resume on the same number of "
+                              f"ranks. Launch {resharding.ranks(saved)}, or start a new --output_dir from the "
+                              "consolidated model (the accelerate recipes' ZeRO-3 checkpoints resume on any number).")
+        if (checkpoint / "config.json").is_file():  # the Trainer saves the model's
+            saved_arch = architecture(models.load_config(str(checkpoint)))
+            if saved_arch != identity["architecture"]:
+                raise ConfigError(f"checkpoint '{checkpoint}' belongs to a different model: {saved_arch} in the "
+                                  f"checkpoint, {identity['architecture']} now (--model {recipe_args.model}). "
+                                  "Relaunch with the checkpoint's model to continue it, or pass a new --output_dir "
+                                  "to start over; nothing was overwritten.")
+
+    return _common(
+        recipe, model_config, shape, Path(ds_path), ds_config, None,
+        memory_kwargs=dict(micro_batch=trainer_kwargs["per_device_train_batch_size"],
+                           seq_len=recipe_args.max_seq_len,
+                           gradient_checkpointing=trainer_kwargs["activation_checkpointing"],
+                           skip=recipe_args.skip_memory_check, skip_flag="--skip_memory_check", flags=TRAINER_FLAGS),
+        report_to=(trainer_kwargs.get("report_to"), "--report_to"), output=Path(trainer_kwargs["output_dir"]),
+        layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
+        check_resume=check_resume, identity=identity,
+        saving=trainer_kwargs["save_strategy"] != "no", no_save_flag="--save_strategy no",
+        script_args={**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
+                                             if k not in ("output_dir", "resume_from_checkpoint", "report_to")}})
+
+
+def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, ds_config: dict,
+            fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, report_to: tuple, output: Path,
+            layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
+            saving: bool, no_save_flag: str, script_args: dict, method: str = "full",
+            num_labels: int | None = None) -> Preflight:
+    """The checks both front ends share, in order: memory, engine needs, metrics, output, resume, disk."""
+    plan = memory.preflight(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
+                            **memory_kwargs)
+    if fsdp_launch is None:
+        cuda_ops.check_ops(ds_config, quantized=method == "qlora")
+        nvme.check_paths(ds_config, str(ds_path))
+        nvme.check_param_buffers(ds_config, shape, env.world_size(), str(ds_path))
+    prometheus.requested_port()
+    trackers.check_trackers(*report_to)
+    outputs.check_writable(output)
+    if env.is_main_rank():
+        for path in checkpoints.clean_partial(output, layout):
+            print(f"removed {path}: a checkpoint save that never completed (not resumable)")
+    resume_from = checkpoints.resolve_resume(resume, output, layout)
+    if resume_from is not None:
+        check_resume(resume_from)
+    stage = 3 if fsdp_launch is not None else checks.zero_stage(ds_config)
+    estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, stage,
+                                          model_copy=layout is checkpoints.TRAINER_LAYOUT)
+    if saving:
+        problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate, layout), layout)
+        if problem:
+            raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
+    return Preflight(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
+                     identity, estimate, script_args, method=method, num_labels=num_labels)
+
+
+def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:
+    config = models.load_config(model)
+    models.check_seq_len(max_seq_len, config, model)
+    return config, from_config(config)
+
+
+def architecture(config, shape: ModelShape | None = None) -> str:
+    """The model's shape in one line (``llama: hidden 4096, 32 layers, ...``): what a checkpoint must match."""
+    s = shape or ModelShape.from_config(config)
+    return (f"{getattr(config, 'model_type', 'model')}: hidden {s.hidden_size}, {s.num_hidden_layers} layers, "
+            f"{s.num_attention_heads}/{s.num_key_value_heads} heads, ffn {s.intermediate_size}, vocab {s.vocab_size}")

@@ -1,0 +1,212 @@
+"""QLoRA building blocks: the ZeRO-3 rules, an nf4 classifier with LoRA on the tiny Llama 3 (CPU), merge."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from finetune_kit.errors import ConfigError
+from finetune_kit.models import qlora
+from finetune_kit.models.shapes import Adapter
+
+RANK, ALPHA = 4, 8
+# The tiny Llama 3 (models.tiny): hidden 64, ffn 224, 8 heads / 2 KV heads of 8, 2 layers, vocab 512.
+LINEARS = {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
+           "gate_proj": (64, 224), "up_proj": (64, 224), "down_proj": (224, 64)}  # (in, out)
+LAYERS, HIDDEN, VOCAB = 2, 64, 512
+
+
+def lora(rank: int, alpha: int, targets="all-linear"):
+    """The recipe's LoraConfig (llama3-70b-qlora/train.py) at these sizes."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="SEQ_CLS",
+                      modules_to_save=[qlora.HEAD], bias="none")
+
+
+# ---- the rules, no weights ----
+
+def test_parse_dtype_names_the_flag_and_the_choices():
+    assert qlora.parse_dtype("bfloat16", "--dtype") is torch.bfloat16
+    assert qlora.parse_dtype("float16", "--dtype") is torch.float16
+    with pytest.raises(ConfigError, match=r"--quant-storage 'bf16' is not a supported dtype.*'bfloat16'"):
+        qlora.parse_dtype("bf16", "--quant-storage")
+
+
+def test_zero3_needs_quant_storage_equal_to_dtype():
+    qlora.check_zero3_settings(dtype="bfloat16", quant_storage="bfloat16", device_map=None)
+    qlora.check_zero3_settings(dtype="float16", quant_storage="float16", device_map="")
+    with pytest.raises(ConfigError, match=r"--quant-storage float32 differs .* --dtype bfloat16.*"
+                                          r"Pass --quant-storage bfloat16\."):
+        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="float32", device_map=None)
+
+
+def test_zero3_refuses_a_device_map():
+    with pytest.raises(ConfigError, match=r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"):
+        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="bfloat16", device_map="auto")
+
+
+def test_zero3_settings_check_the_dtype_names_first():
+    with pytest.raises(ConfigError, match=r"--dtype 'fp32' is not a supported dtype"):
+        qlora.check_zero3_settings(dtype="fp32", quant_storage="fp32", device_map=None)
+    with pytest.raises(ConfigError, match=r"--quant-storage 'uint8' is not a supported dtype"):
+        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="uint8", device_map=None)
+
+
+def test_targets_and_adapter_plan():
+    assert qlora.parse_targets("all-linear") == "all-linear"
+    assert qlora.parse_targets("q_proj,v_proj") == ["q_proj", "v_proj"]
+    assert qlora.adapter_plan(16, "all-linear") == Adapter(rank=16, targets="all-linear", quantized=True)
+    plan = qlora.adapter_plan(8, ["q_proj", "v_proj"])
+    assert plan.targets == ("q_proj", "v_proj") and plan.rank == 8 and plan.quantized  # hashable for the planner
+
+
+def test_targets_with_spaces_after_commas():
+    assert qlora.parse_targets("q_proj, v_proj") == ["q_proj", "v_proj"]
+
+
+def test_bnb_config_is_double_quantised_nf4():
+    config = qlora.bnb_config(torch.float16, torch.uint8)
+    assert config.load_in_4bit and not config.load_in_8bit
+    assert config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype is torch.float16
+    assert config.bnb_4bit_quant_storage is torch.uint8
+
+
+def test_pad_token_must_already_be_in_the_vocabulary(tiny_llama3):
+    from finetune_kit.models.loading import load_config, load_tokenizer
+
+    tokenizer, config = load_tokenizer(str(tiny_llama3)), load_config(str(tiny_llama3))
+    qlora.check_pad_token_fits(tokenizer, config, "tiny")  # Llama 3 reuses <|finetune_right_pad_id|>
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})  # what a tokenizer without a spare token needs
+    with pytest.raises(ConfigError, match=r"tokenizer of 'tiny' has no pad token to reuse"):
+        qlora.check_pad_token_fits(tokenizer, config, "tiny")
+
+
+# ---- an nf4 classifier with LoRA on the tiny Llama 3, one optimizer step ----
+
+@pytest.fixture(scope="module")
+def qlora_run(tiny_llama3, tmp_path_factory):
+    """Load, wrap, take one AdamW step on one batch, save the adapter with PEFT; keep what each stage held."""
+    from finetune_kit.models.loading import load_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(str(tiny_llama3))
+    model = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    model = qlora.add_lora(model, lora(RANK, ALPHA))
+    initial = qlora.trainable_state_dict(model)
+    batch = tokenizer(["the quick brown fox jumps over the dog", "hello"], padding=True, return_tensors="pt")
+    batch["labels"] = torch.tensor([0, 1])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    loss_before = model(**batch).loss
+    loss_before.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        loss_after = model(**batch).loss.item()
+    adapter = tmp_path_factory.mktemp("qlora") / "adapter"
+    model.save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, batch=batch, initial=initial,
+                           trained=qlora.trainable_state_dict(model), loss_before=loss_before.item(),
+                           loss_after=loss_after, adapter=adapter, base=tiny_llama3)
+
+
+def test_base_is_nf4_in_bf16_storage_with_the_pad_token_set(qlora_run):
+    import bitsandbytes as bnb
+
+    net = qlora_run.model.base_model.model
+    q_proj = net.model.layers[0].self_attn.q_proj.base_layer
+    assert isinstance(q_proj, bnb.nn.Linear4bit)
+    assert q_proj.weight.dtype is torch.bfloat16  # quant_storage: partitions with the bf16 parameters
+    assert q_proj.weight.quant_state.shape == torch.Size([64, 64])
+    assert q_proj.weight.numel() == 64 * 64 // 4  # two 4-bit values per byte, two bytes per element
+    assert q_proj.weight.quant_state.quant_type == "nf4"
+    assert net.config.pad_token_id == qlora_run.tokenizer.pad_token_id
+    assert net.config.use_cache is False and net.is_gradient_checkpointing
+
+
+def test_parameter_classes_of_the_tiny_llama3(qlora_run):
+    classes = qlora.parameter_classes(qlora_run.model)
+    lora = LAYERS * sum((i + o) * RANK for i, o in LINEARS.values())
+    assert classes["linear4bit_modules"] == LAYERS * len(LINEARS) == 14
+    assert classes["lora_trainable"] == lora == 10240
+    assert classes["head_trainable"] == 2 * HIDDEN
+    # embeddings, 2 norms per layer and the final norm, and PEFT's frozen copy of the original head
+    assert classes["other_frozen"] == VOCAB * HIDDEN + (2 * LAYERS + 1) * HIDDEN + 2 * HIDDEN
+    assert classes["other_trainable"] == 0
+    assert classes["trainable_names_sample"][0].endswith("layers.0.self_attn.q_proj.lora_A.default.weight")
+    assert len(classes["trainable_names_sample"]) == 4
+
+
+def test_quantized_frozen_counts_the_4bit_weights(qlora_run):
+    weights = LAYERS * sum(i * o for i, o in LINEARS.values())
+    assert qlora.parameter_classes(qlora_run.model)["quantized_frozen"] == weights
+
+
+def test_trainable_state_dict_is_lora_and_head_as_cpu_copies(qlora_run):
+    state = qlora_run.trained
+    assert len(state) == 2 * LAYERS * len(LINEARS) + 1
+    head = state["base_model.model.score.modules_to_save.default.weight"]
+    assert head.shape == (2, HIDDEN) and head.device.type == "cpu"
+    a = state["base_model.model.model.layers.0.mlp.down_proj.lora_A.default.weight"]
+    assert a.shape == (RANK, 224)
+    live = dict(qlora_run.model.named_parameters())
+    assert all(torch.equal(t, live[name]) for name, t in state.items())
+    assert head.data_ptr() != live["base_model.model.score.modules_to_save.default.weight"].data_ptr()  # a copy
+
+
+def test_one_step_trains_lora_and_head(qlora_run):
+    b_name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight"
+    head = "base_model.model.score.modules_to_save.default.weight"
+    assert not qlora_run.initial[b_name].any()  # LoRA starts as the identity: B = 0
+    assert qlora_run.trained[b_name].abs().max() > 0
+    assert not torch.equal(qlora_run.trained[head], qlora_run.initial[head])
+    assert qlora_run.loss_after < qlora_run.loss_before
+
+
+def test_keep_cpu_weights_unpacked_stops_the_eval_repacking(qlora_run):
+    import bitsandbytes as bnb
+
+    model = qlora_run.model
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = True  # as on a CPU with AVX512-BF16
+    shapes = [layer.weight.shape for layer in layers]
+    assert qlora.keep_cpu_weights_unpacked(model) == 14
+    model.eval()
+    try:
+        with torch.no_grad():  # repacking would assert: k_proj's 16 outputs are not a multiple of 32
+            logits = model(**{k: v for k, v in qlora_run.batch.items() if k != "labels"}).logits
+    finally:
+        model.train()
+    assert logits.shape == (2, 2)
+    assert [layer.weight.shape for layer in layers] == shapes
+    assert not any(getattr(layer.weight.quant_state, "packing_format_for_cpu", False) for layer in layers)
+
+
+def test_merge_folds_the_adapter_into_a_plain_bf16_classifier(qlora_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out = qlora.merge_adapter(qlora_run.base, qlora_run.adapter, tmp_path / "merged")
+    merged = AutoModelForSequenceClassification.from_pretrained(str(out), dtype=torch.bfloat16)
+    assert merged.config.pad_token_id == qlora_run.tokenizer.pad_token_id
+    assert (out / "tokenizer.json").is_file()
+    assert torch.equal(merged.score.weight, qlora_run.trained["base_model.model.score.modules_to_save.default.weight"])
+    # the LoRA update is folded in: W + (alpha / r) B A, rounded once to bf16
+    base = AutoModelForCausalLM.from_pretrained(str(qlora_run.base), dtype=torch.bfloat16)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = (qlora_run.trained[f"{prefix}.lora_{x}.default.weight"].float() for x in "AB")
+    w = base.model.layers[0].self_attn.q_proj.weight.float()
+    update = ALPHA / RANK * b @ a
+    assert update.abs().max() > 1e-3  # large against bf16's spacing near the weights (~1e-4)
+    got = merged.model.layers[0].self_attn.q_proj.weight.float()
+    torch.testing.assert_close(got, w + update, atol=2e-4, rtol=0)
+
+
+def test_lora_target_matching_no_layer_is_refused(tiny_llama3):
+    """PEFT adapts q_proj and silently skips a misspelt name next to it; the recipe stops instead."""
+    base = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=0)
+    with pytest.raises(ConfigError, match=r"--lora-targets names \['vproj'\], which match no layer"):
+        qlora.add_lora(base, lora(4, 8, qlora.parse_targets("q_proj, vproj")), gradient_checkpointing=False)

@@ -1,0 +1,276 @@
+import json
+
+import pytest
+
+from finetune_kit import outputs
+from finetune_kit.errors import ConfigError
+from finetune_kit.training import checkpoints, resharding
+
+
+def make_ckpt(output, step, complete=True):
+    """A checkpoint folder as save_checkpoint leaves it; without its marks when not ``complete``."""
+    path = checkpoints.checkpoint_path(output, step)
+    path.mkdir(parents=True)
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
+    if complete:
+        (path / checkpoints.STATE_FILE).write_text("{}")
+        checkpoints.write_manifest(path)
+    return path
+
+
+class FakeAccelerator:
+    """One rank; ``save_state`` writes a shard, or fails like a killed process when told to."""
+
+    is_main_process = True
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, folder):
+        from pathlib import Path
+
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"y" * 10)
+        if self.fail:
+            raise KeyboardInterrupt("killed mid-save")
+
+
+def test_fresh_output_starts_fresh(tmp_path):
+    assert checkpoints.resolve_resume(None, tmp_path / "run") is None
+    assert checkpoints.resolve_resume("auto", tmp_path / "run") is None
+
+
+def test_auto_continues_from_the_newest_complete_checkpoint(tmp_path):
+    make_ckpt(tmp_path, 5)
+    newest = make_ckpt(tmp_path, 20)
+    make_ckpt(tmp_path, 30, complete=False)
+    assert checkpoints.resolve_resume("auto", tmp_path) == newest
+
+
+def test_auto_never_overwrites_a_finished_run(tmp_path):
+    make_ckpt(tmp_path, 5)
+    (tmp_path / checkpoints.FINISHED).write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds a finished run \(run_record\.json\) and already holds 1 "
+                                          r"checkpoint\(s\).*--resume latest"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    (tmp_path / "checkpoints/step_000005").rename(tmp_path / "elsewhere")  # no checkpoints: still finished work
+    with pytest.raises(ConfigError, match=r"holds a finished run"):
+        checkpoints.resolve_resume("auto", tmp_path)
+
+
+def test_existing_checkpoints_are_not_overwritten(tmp_path):
+    make_ckpt(tmp_path, 5)
+    with pytest.raises(ConfigError, match=r"already holds 1 checkpoint.*--resume"):
+        checkpoints.resolve_resume(None, tmp_path)
+
+
+def test_latest_is_the_highest_complete_step(tmp_path):
+    make_ckpt(tmp_path, 5)
+    newest = make_ckpt(tmp_path, 20)
+    make_ckpt(tmp_path, 30, complete=False)  # interrupted mid-save: ignored
+    (newest.parent / "step_000040.partial").mkdir()
+    assert checkpoints.resolve_resume("latest", tmp_path) == newest
+
+
+def test_a_damaged_checkpoint_is_named_not_resumed(tmp_path):
+    newest = make_ckpt(tmp_path, 20)
+    (newest / "mp_rank_00_model_states.pt").write_bytes(b"x" * 3)  # truncated
+    with pytest.raises(ConfigError, match=r"step_000020' is damaged: mp_rank_00_model_states\.pt has 3 bytes, the "
+                                          r"manifest says 20\. Resume from an earlier checkpoint"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    (newest / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConfigError, match=r"mp_rank_00_model_states\.pt is missing"):
+        checkpoints.resolve_resume(str(newest), tmp_path)
+
+
+def test_a_checkpoint_without_its_manifest_is_refused_by_path(tmp_path):
+    path = make_ckpt(tmp_path, 20)
+    (path / checkpoints.MANIFEST).unlink()
+    with pytest.raises(ConfigError, match=r"not a complete checkpoint folder \(no manifest\.json"):
+        checkpoints.resolve_resume(str(path), tmp_path)
+
+
+def test_save_is_atomic_and_prunes_only_after_the_new_one_is_complete(tmp_path):
+    first = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 4, {"step": 4}, keep=1)
+    assert json.loads((first / checkpoints.MANIFEST).read_text())["files"] == {
+        "trainer_state.json": (first / "trainer_state.json").stat().st_size,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": 10}
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save_checkpoint(FakeAccelerator(fail=True), tmp_path, 8, {"step": 8}, keep=1)
+    assert checkpoints.list_checkpoints(tmp_path) == [first]  # the last complete one survived the failed save
+    assert checkpoints.resolve_resume("auto", tmp_path) == first
+    assert checkpoints.clean_partial(tmp_path) == [tmp_path / "checkpoints/step_000008.partial"]
+    second = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=1)
+    assert checkpoints.list_checkpoints(tmp_path) == [second] and not first.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000008"]
+
+
+def test_resume_without_checkpoints(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint found"):
+        checkpoints.resolve_resume("latest", tmp_path)
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        checkpoints.resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_trainer_layout_finds_the_trainers_own_folders(tmp_path):
+    layout = checkpoints.TRAINER_LAYOUT
+    for step in (3, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-20").mkdir()  # no trainer state: an interrupted save
+    assert checkpoints.resolve_resume("latest", tmp_path, layout) == tmp_path / "checkpoint-12"
+    with pytest.raises(ConfigError, match=r"already holds 2 checkpoint.*--resume_from_checkpoint"):
+        checkpoints.resolve_resume(None, tmp_path, layout)
+
+
+# ---- a folder to write to, and room on its disk ----
+
+def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"output folder '.*file/run' cannot be written: '.*file', where it would "
+                                          r"be created, \(Not a directory\)\. Pass --output"):
+        outputs.check_writable(tmp_path / "file" / "run")
+
+    def refuse(dir):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)  # as for a user without rights there
+    with pytest.raises(ConfigError, match=r"'.*run' cannot be written: .* \(Permission denied\)"):
+        outputs.check_writable(tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # the check creates nothing
+
+
+def fake_disk(monkeypatch, free: int):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(free * 10, free * 9, free))
+
+
+def test_a_save_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    first = checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 4, {"step": 4}, keep=0, estimate=10)
+    size = checkpoints.predicted_bytes(tmp_path, estimate=10)
+    assert size == json.loads((first / checkpoints.MANIFEST).read_text())["bytes"] > 10  # measured, not estimated
+
+    fake_disk(monkeypatch, free=size)  # less than size x the margin
+    with pytest.raises(ConfigError, match=r"not saving the step-8 checkpoint: '.*checkpoints' has 0\.0 MiB free and "
+                                          r"a checkpoint takes about 0\.0 MiB \(x1\.1 margin\)\..* the newest complete "
+                                          r"checkpoint is .*step_000004\. Relaunch the same command"):
+        checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=0)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+
+    fake_disk(monkeypatch, free=int(size * checkpoints.FREE_SPACE_MARGIN) + 1)
+    checkpoints.save_checkpoint(FakeAccelerator(), tmp_path, 8, {"step": 8}, keep=0)
+
+
+def test_checkpoint_size_estimate_follows_the_zero_stage():
+    assert checkpoints.estimate_bytes(1000, 1000, zero_stage=3) == 12_000  # fp32 master + Adam m, v
+    assert checkpoints.estimate_bytes(1000, 1000, zero_stage=2) == 14_000  # + bf16 module weights
+    assert checkpoints.estimate_bytes(1000, 10, zero_stage=3) == 120  # a frozen base is not saved
+
+
+# ---- a resume continues the same run ----
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_adapter(tmp_path):
+    path = make_ckpt(tmp_path, 4)
+    identity = {"architecture": "llama: hidden 64", "lora": "r 16, alpha 32, targets all-linear"}
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4, "run": identity}))
+    checkpoints.check_same_run(path, identity)
+    with pytest.raises(ConfigError, match=r"belongs to a different run: lora 'r 16, alpha 32, targets all-linear' in "
+                                          r"the checkpoint, 'r 8, alpha 32, targets all-linear' now\. Relaunch with "
+                                          r"the checkpoint's settings.*new --output"):
+        checkpoints.check_same_run(path, {**identity, "lora": "r 8, alpha 32, targets all-linear"})
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4}))  # saved before runs recorded it
+    checkpoints.check_same_run(path, {**identity, "architecture": "other"})
+
+
+# ---- another number of ranks ----
+
+def test_the_data_position_is_counted_in_examples_across_rank_counts():
+    state = {"step": 4, "epoch": 1, "batch_in_epoch": 8}  # 2 ranks x 8 micro-batches
+    assert resharding.reshaped_position(state, saved=2, world=1) == {**state, "batch_in_epoch": 16}
+    assert resharding.reshaped_position(state, saved=2, world=4) == {**state, "batch_in_epoch": 4}
+
+
+@pytest.mark.parametrize("micro, accum, pattern", [
+    (4, 4, r"saved by 1 rank with 16 sequences per optimizer step; this launch's 2 ranks take 4 x 4 x 2 = 32\. "
+           r"Keep the global batch .*: pass --grad-accum 2\."),
+    (3, 1, r"choose --micro-batch-size and --grad-accum whose product is 8"),
+])
+def test_another_number_of_ranks_must_keep_the_global_batch(tmp_path, monkeypatch, micro, accum, pattern):
+    from types import SimpleNamespace
+
+
+
+    path = make_ckpt(tmp_path, 4)
+    (path / checkpoints.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 1, "global_batch": 16}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    resharding.check_reshape(path, SimpleNamespace(micro_batch_size=4, grad_accum=2), zero_stage=3)  # 4 x 2 x 2 = 16
+    with pytest.raises(ConfigError, match=pattern):
+        resharding.check_reshape(path, SimpleNamespace(micro_batch_size=micro, grad_accum=accum), zero_stage=3)
+    with pytest.raises(ConfigError, match=r"another number of ranks is supported under ZeRO-3\. Launch 1 rank\."):
+        resharding.check_reshape(path, SimpleNamespace(micro_batch_size=4, grad_accum=2), zero_stage=2)
+
+
+# ---- nothing a user made is lost ----
+
+def test_an_interrupted_trainer_save_is_cleaned_and_complete_ones_are_kept(tmp_path):
+    layout = checkpoints.TRAINER_LAYOUT
+    for step, complete in ((3, True), (6, False)):
+        (tmp_path / f"checkpoint-{step}/global_step{step}").mkdir(parents=True)
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "model").mkdir()  # not a checkpoint
+    assert checkpoints.clean_partial(tmp_path, layout) == [tmp_path / "checkpoint-6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "model"]
+
+
+def test_a_final_output_replaces_the_old_one_only_once_complete(tmp_path):
+    from finetune_kit.outputs import written_whole
+
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_text("old")
+    with pytest.raises(KeyboardInterrupt), written_whole(out) as folder:
+        (folder / "adapter_model.safetensors").write_text("half")
+        raise KeyboardInterrupt  # killed while writing
+    assert (out / "adapter_model.safetensors").read_text() == "old"
+    with written_whole(out) as folder:
+        (folder / "adapter_model.safetensors").write_text("new")
+    assert (out / "adapter_model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    with written_whole(tmp_path / "model", writer=False) as folder:  # another rank of a collective save
+        assert folder == tmp_path / "model.partial"
+    assert not folder.exists()
+
+
+def test_a_fresh_start_never_overwrites_a_model_an_unfinished_run_left(tmp_path):
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(ConfigError, match=r"holds adapter/ from an earlier run that has no checkpoint to continue "
+                                          r"and did not finish \(run_record\.json missing\).*nothing was overwritten"):
+        checkpoints.resolve_resume("auto", tmp_path)
+    make_ckpt(tmp_path, 4)  # with a checkpoint, the same command continues that run
+    assert checkpoints.resolve_resume("auto", tmp_path) == checkpoints.checkpoint_path(tmp_path, 4)
+
+
+def test_the_trainer_checks_the_disk_before_each_checkpoint_it_writes(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from finetune_kit.training.trainer import RoomToSaveCallback
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / checkpoints.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-3" / "model.safetensors").write_bytes(b"w" * 1000)
+    trainer = SimpleNamespace(accelerator=FakeAccelerator())
+    room = RoomToSaveCallback(trainer, estimate=10)
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=6)
+    fake_disk(monkeypatch, free=1050)  # the newest checkpoint's 1002 bytes x 1.1 do not fit
+    room.on_step_end(args, state, SimpleNamespace(should_save=False))  # no save due: nothing checked
+    with pytest.raises(ConfigError, match=r"not saving the step-6 checkpoint: .*--save_total_limit 1.*the newest "
+                                          r"checkpoint is .*checkpoint-3\. Relaunch the same command"):
+        room.on_step_end(args, state, SimpleNamespace(should_save=True))
+    fake_disk(monkeypatch, free=2000)
+    room.on_step_end(args, state, SimpleNamespace(should_save=True))
