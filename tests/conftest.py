@@ -10,6 +10,22 @@ import pytest
 from tests.harness import load_script
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_of_this_session(tmp_path_factory):
+    """Tokenised data is cached in the session's own folder (the recipes' default is the user's
+    ~/.cache): the launched ranks inherit it."""
+    import os
+
+    folder = tmp_path_factory.mktemp("finetune-cache")
+    old = os.environ.get("FINETUNE_CACHE_DIR")
+    os.environ["FINETUNE_CACHE_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("FINETUNE_CACHE_DIR", None)
+    else:
+        os.environ["FINETUNE_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_llama3(tmp_path_factory) -> Path:
     from finetune_kit.models.tiny import build_tiny

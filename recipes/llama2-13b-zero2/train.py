@@ -54,6 +54,16 @@ class RecipeArguments:
         "help": "llama2 ([INST] ... [/INST]), llama3, plain, auto (the tokenizer's own, else plain), a .jinja file "
                 "or a tokenizer to borrow it from"})
     max_seq_len: int = field(default=2048, metadata={"help": "tokens; longer conversations lose turns from the end"})
+    offload_activations: bool = field(default=False, metadata={
+        "help": "keep the tensors saved for backward in pinned host memory: less GPU memory for PCIe copies"})
+    loss_chunks: int = field(default=8, metadata={
+        "help": "compute the LM loss this many token chunks at a time: one chunk's logits in memory instead of "
+                "the whole micro-batch's, for a second pass of the head (0: full logits)"})
+    data_cache: str = field(default="auto", metadata={
+        "help": "folder of tokenised data kept between launches (auto: $FINETUNE_CACHE_DIR or ~/.cache/finetune_kit; "
+                "none: tokenise every launch)"})
+    data_workers: int = field(default=0, metadata={
+        "help": "processes that tokenise (0: one per CPU, up to 8, from 20,000 rows)"})
     pack: bool = field(default=False, metadata={
         "help": "several whole examples per sequence; attention stays inside each"})
     eval_fraction: float = field(default=0.05, metadata={"help": "share of rows held out"})
@@ -118,8 +128,9 @@ def main(argv=None) -> None:
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(recipe.model)
-    with args.main_process_first(desc="tokenising"):
-        examples, counts = data.tokenize_rows(rows, tokenizer, recipe.max_seq_len, recipe.chat_template)
+    with args.main_process_first(local=True, desc="tokenising"):  # one process per node, or --data_cache
+        examples, counts = data.tokenize_rows(rows, tokenizer, recipe.max_seq_len, recipe.chat_template,
+                                              cache=recipe.data_cache, workers=recipe.data_workers)
     train_set, eval_set = data.holdout_split(examples, recipe.eval_fraction, args.seed)
     if recipe.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, recipe.max_seq_len)
@@ -133,6 +144,7 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False
+    models.use_chunked_loss(model, recipe.loss_chunks)  # the loss --loss_chunks pieces at a time: no full logits
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
     trainer = run.trainer(model=model, train_dataset=train_set, data_collator=recorder, processing_class=tokenizer)

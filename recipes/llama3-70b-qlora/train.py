@@ -31,9 +31,10 @@ from peft import LoraConfig
 from torch.utils.data import DataLoader
 from transformers import BitsAndBytesConfig
 
+from finetune_kit import models
 from finetune_kit.data import reviews
 from finetune_kit.launch import multinode
-from finetune_kit.models import load_tokenizer, qlora
+from finetune_kit.models import qlora
 
 RECIPE = "llama3-70b-qlora"
 LAUNCH = ("'accelerate launch --config_file configs/zero3-main.yaml train.py ...' "
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     accelerator.print(f"reviews: {counts}")
 
     # ---- 3. Data: tokenise with truncation, pad per batch, hold out a validation split ----
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = models.load_tokenizer(args.model)
     qlora.check_pad_token_fits(tokenizer, run.model_config, args.model)
     examples = reviews.tokenize(rows, tokenizer, args.max_seq_len)
     split = examples.train_test_split(test_size=args.eval_fraction, seed=args.seed)
@@ -128,7 +129,8 @@ def main(argv=None) -> None:
     model.train()
     for batch in run.batches(train_dl, model, scheduler):
         with accelerator.accumulate(model):
-            loss = model(**batch).loss
+            with models.offload_activations(args.offload_activations):  # what backward needs, in host RAM if asked
+                loss = model(**batch).loss
             accelerator.backward(loss)  # DeepSpeed steps optimizer + schedule at the boundary
             optimizer.step()
             scheduler.step()

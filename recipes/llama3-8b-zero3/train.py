@@ -60,8 +60,9 @@ def main(argv=None) -> None:
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
-    with accelerator.main_process_first():
-        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.chat_template)
+    with accelerator.local_main_process_first():  # one process per node tokenises, or reads --data-cache
+        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.chat_template,
+                                              cache=args.data_cache, workers=args.data_workers)
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
@@ -77,6 +78,7 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
+    models.use_chunked_loss(model, args.loss_chunks)  # the loss --loss-chunks pieces at a time: no full logits
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
@@ -92,7 +94,8 @@ def main(argv=None) -> None:
     model.train()
     for batch in run.batches(train_dl, model, scheduler):
         with accelerator.accumulate(model):
-            loss = model(**batch).loss
+            with models.offload_activations(args.offload_activations):  # what backward needs, in host RAM if asked
+                loss = model(**batch).loss
             accelerator.backward(loss)  # DeepSpeed steps optimizer + schedule at the boundary
             if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clips per its JSON
                 accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)

@@ -150,6 +150,22 @@ def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tin
         assert_matches_golden(got, GOLDEN, STEPS)
 
 
+@pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="compares with the golden losses")
+@pytest.mark.parametrize("flags", [("--loss-chunks", "0"), ("--offload-activations",)],
+                         ids=["whole-logits-loss", "activations-offloaded"])
+def test_the_memory_levers_train_the_same(flags, recipe_copy, tiny_llama3, tmp_path):
+    """Under ZeRO-3 on two ranks: the loss over the whole logits (no chunks) and the activations kept
+    in host memory give the golden losses of the default run (chunked loss, activations in place)."""
+    output = tmp_path / "lever"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), *flags, "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", "0", "--no-save-model")
+    assert_finished(proc, STEPS)
+    assert_matches_golden(losses(output), GOLDEN, STEPS)
+    record = json.loads((output / "run_record.json").read_text())["training"]
+    assert (record["loss_chunks"], record["offload_activations"]) == \
+        ((0, False) if "--loss-chunks" in flags else (8, True))
+
+
 def test_metrics_carry_throughput_and_memory(run):
     assert_throughput_metrics(run)
 
@@ -528,6 +544,8 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
                        r"'zero_optimization\.stage3_prefetch_bucket_size'\?\)"),
     ("unwritable_output", r"output folder '.*taken/out' cannot be written.*\(Not a directory\)"),
     ("no_room_for_a_checkpoint", r"has 1\.0 MiB free and a checkpoint takes about .* MiB.*--save-every 0"),
+    ("negative_loss_chunks", r"--loss-chunks -1: the loss is computed in that many chunks .* Pass --loss-chunks 8"),
+    ("negative_data_workers", r"--data-workers -2: that many processes tokenise the data.* Pass --data-workers 0"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -555,6 +573,10 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--max-seq-len"] = "4096"
     elif case == "no_model":
         args["--model"] = "/no/such/model"
+    elif case == "negative_loss_chunks":
+        args["--loss-chunks"] = "-1"
+    elif case == "negative_data_workers":
+        args["--data-workers"] = "-2"
     elif case == "deepspeed_typo":
         config = json.loads((RECIPE / "configs/zero3.json").read_text())
         config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(

@@ -14,10 +14,11 @@ one whose first answer does not fit is dropped (``dropped_too_long``), never cut
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_kit.data import formats, templates
+from finetune_kit.data import formats, templates, token_cache
 from finetune_kit.errors import DataError
 
 SAMPLE_DIR = Path(__file__).parent / "samples"
@@ -57,6 +58,7 @@ class InstructionRows:
     rows: object  # datasets.Dataset
     format: formats.Format
     source: str
+    fields: tuple[str, ...] = ()  # the prompt and response columns the format reads, where it takes them
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,7 +73,7 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
         raise DataError(f"data '{source}' has no rows. Pass a file with at least one example per line.")
     fmt = formats.detect(rows.column_names, data_format, prompt_field, response_field, source)
     formats.check_rows(rows, fmt, source)
-    return InstructionRows(rows, fmt, source)
+    return InstructionRows(rows, fmt, source, (prompt_field, response_field))
 
 
 def _read(source: str, split: str):
@@ -176,11 +178,37 @@ def _answers(messages: list[dict]) -> int:
     return sum(m["role"] == "assistant" and bool(m["content"].strip()) for m in messages)
 
 
-def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_template: str = "auto"):
+def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_template: str = "auto", *,
+                  cache: str | None = None, workers: int = 1):
     """``(examples, counts)``: every row tokenised (``input_ids``, ``labels``, ``example_ids``),
     those with nothing left to learn dropped, and the :class:`DataCounts`. Raises DataError
-    if no example is left or the template rejects a conversation (naming the row)."""
+    if no example is left or the template rejects a conversation (naming the row).
+
+    ``cache``: ``auto`` (``FINETUNE_CACHE_DIR``), a folder, or None/``none``: where :mod:`.token_cache`
+    keeps entries, read when this data was tokenised the same way before and written otherwise.
+    ``workers``: processes that tokenise (``datasets``' num_proc); 0 picks by the number of rows."""
     template = templates.resolve(chat_template, tokenizer)
+    folder = token_cache.cache_dir(None if cache == "auto" else cache) if cache else None
+    digest = token_cache.key(data, tokenizer, template, max_seq_len) if folder else None
+    hit = token_cache.load(folder, digest) if folder else None
+    if hit is not None:
+        examples, counts = hit
+        return examples, DataCounts(**counts)
+    kept, counts = _tokenize(data, tokenizer, template, max_seq_len, workers or default_workers(len(data)))
+    if folder:
+        token_cache.save(folder, digest, kept, counts)
+    return kept, counts
+
+
+PARALLEL_ROWS = 20_000  # below this, starting tokeniser processes costs more than it saves
+
+
+def default_workers(rows: int) -> int:
+    """Tokenising processes for ``rows`` rows: up to 8, one per CPU, from PARALLEL_ROWS rows."""
+    return min(8, os.cpu_count() or 1) if rows >= PARALLEL_ROWS else 1
+
+
+def _tokenize(data: InstructionRows, tokenizer, template: templates.ChatTemplate, max_seq_len: int, workers: int):
     fmt = data.format
 
     def encode(row, idx):
@@ -191,7 +219,8 @@ def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_templ
                             f"render it: {err}. Fix the row, or pick another --chat-template.") from err
         return {**example, "example_ids": [idx], "status": status}
 
-    encoded = data.rows.map(encode, with_indices=True, remove_columns=data.rows.column_names, desc="tokenising")
+    encoded = data.rows.map(encode, with_indices=True, remove_columns=data.rows.column_names, desc="tokenising",
+                            num_proc=workers if workers > 1 else None)
     status = list(encoded["status"])
     kept = encoded.filter(lambda row: row["status"] in (OK, TRUNCATED), desc="filtering").remove_columns("status")
     counts = DataCounts(

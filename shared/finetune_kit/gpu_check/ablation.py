@@ -30,10 +30,18 @@ VARIANTS = [
     Variant("8b-mb2-ga4", "llama3-8b-zero3", 2, 4, lever="gradient accumulation 4"),
     Variant("8b-mb2-ga8", "llama3-8b-zero3", 2, 8, lever="gradient accumulation 8"),
     Variant("8b-mb4-ga4", "llama3-8b-zero3", 4, 4, lever="micro-batch 4, accumulation 4 (the recipe's sizes)"),
+    Variant("8b-mb2-ga4-wholeloss", "llama3-8b-zero3", 2, 4, flags=("--loss-chunks", "0"),
+            lever="the loss over the whole micro-batch's logits (no chunks), accumulation 4"),
     Variant("8b-mb1-ga8-nockpt", "llama3-8b-zero3", 1, 8, flags=NO_CKPT,
             lever="no activation checkpointing, micro-batch 1, accumulation 8"),
     Variant("8b-mb2-ga4-nockpt", "llama3-8b-zero3", 2, 4, flags=NO_CKPT,
             lever="no activation checkpointing, micro-batch 2, accumulation 4"),
+    Variant("8b-mb4-ga4-nockpt", "llama3-8b-zero3", 4, 4, flags=NO_CKPT,
+            lever="no activation checkpointing, micro-batch 4, accumulation 4"),
+    Variant("8b-mb2-ga4-offloadact", "llama3-8b-zero3", 2, 4, flags=("--offload-activations",),
+            lever="activations saved for backward in pinned host memory, accumulation 4"),
+    Variant("8b-mb2-ga4-nockpt-offloadact", "llama3-8b-zero3", 2, 4, flags=(*NO_CKPT, "--offload-activations"),
+            lever="no activation checkpointing, activations in host memory, accumulation 4"),
     Variant("8b-fsdp2-mb2-ga4", "llama3-8b-zero3-fsdp2", 2, 4, lever="FSDP2 instead of ZeRO-3, accumulation 4"),
     Variant("8b-offload-mb2-ga8", "llama3-8b-zero3-offload", 2, 8,
             lever="optimizer offloaded to CPU Adam, accumulation 8"),
@@ -45,6 +53,8 @@ VARIANTS = [
             lever="no activation checkpointing, accumulation 4"),
     Variant("13b-mb2-ga1", "llama2-13b-zero2-bf16", 2, 1, lever="baseline"),
     Variant("13b-mb2-ga4", "llama2-13b-zero2-bf16", 2, 4, lever="gradient accumulation 4"),
+    Variant("13b-mb2-ga4-wholeloss", "llama2-13b-zero2-bf16", 2, 4, flags=("--loss_chunks", "0"),
+            lever="the loss over the whole micro-batch's logits (no chunks), accumulation 4"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 

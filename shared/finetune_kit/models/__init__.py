@@ -1,14 +1,20 @@
 """Models: shapes and parameter counts from a config (:mod:`.shapes`, no torch), loading with a real
 pad token (:mod:`.loading`, whose functions are importable from here), tiny test models
-(:mod:`.tiny`), and 4-bit bases with LoRA under ZeRO-3 (:mod:`.qlora`)."""
+(:mod:`.tiny`), 4-bit bases with LoRA under ZeRO-3 (:mod:`.qlora`), and the causal-LM loss without the
+full logits (:mod:`.chunked_loss`) and activations kept in host memory (:mod:`.activation_offload`): their
+``use_chunked_loss`` and ``offload_activations`` are importable from here."""
 
 from importlib import import_module
 
 _LOADING = ("load_config", "check_seq_len", "load_tokenizer", "ensure_pad_token", "load_causal_lm")
-__all__ = list(_LOADING)
+_LEVERS = {"use_chunked_loss": "finetune_kit.models.chunked_loss",
+           "offload_activations": "finetune_kit.models.activation_offload"}
+__all__ = [*_LOADING, *_LEVERS]
 
 
 def __getattr__(name: str):  # lazy: the planner imports .shapes without torch
     if name in _LOADING:
         return getattr(import_module("finetune_kit.models.loading"), name)
+    if name in _LEVERS:
+        return getattr(import_module(_LEVERS[name]), name)
     raise AttributeError(f"module 'finetune_kit.models' has no attribute {name!r}")

@@ -221,7 +221,7 @@ def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpu
 # Activations
 # ---------------------------------------------------------------------------------------------
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient_checkpointing: bool, *,
-                     num_labels: int | None = None, kv_repeated: bool = True) -> dict[str, int]:
+                     num_labels: int | None = None, kv_repeated: bool = True, loss_chunks: int = 0) -> dict[str, int]:
     """Peak activation bytes per GPU for one micro-batch of a Llama decoder in bf16.
 
     Method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -245,10 +245,15 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     as ``gradient_checkpointing_enable`` does) only each layer's bf16 input is kept (2h·L, the
     paper's 2sbhL) and one layer's activations are rebuilt at a time in backward.
 
-    The loss: the head's bf16 logits (2V), the fp32 copy transformers makes for the loss (4V)
-    and the fp32 log-softmax kept for backward (4V): 10·V bytes per token at the loss, V = vocab
-    (128256 for Llama 3: the largest single term). Sequence classification has num_labels
-    logits instead. Peak = kept layers + final norm/head input + max(loss, one rebuilt layer).
+    The loss, V = vocab (128256 for Llama 3: the largest single term): the forward holds the head's
+    bf16 logits (2V), the fp32 copy transformers makes for the loss (4V) and the fp32 log-softmax
+    kept for backward (4V); the backward's peak is larger: that log-softmax, the fp32 gradient
+    arriving at it and the one it makes (4V each): 12·V bytes per token. Measured on CPU at the 8B
+    recipe's micro-batch (``benchmarks/loss_memory.py``, ``results/benchmarks/loss-memory.json``):
+    12.0·V. With ``loss_chunks`` (the chunked loss of
+    ``models.chunked_loss``) only one chunk's tokens hold them at a time, in the forward and in the
+    recomputing backward. Sequence classification has num_labels logits instead.
+    Peak = kept layers + final norm/head input + max(loss, one rebuilt layer).
     LoRA/QLoRA are counted like full fine-tuning (the adapters' own activations are rank-sized).
     """
     tokens = micro_batch * seq_len
@@ -259,7 +264,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     per_layer = attention + mlp
     outputs = num_labels or shape.vocab_size
     final = (6 * h + 2 * h) * tokens  # final RMSNorm + head input
-    loss = (BF16 + FP32 + FP32) * outputs * tokens
+    loss_tokens = -(-tokens // loss_chunks) if loss_chunks and not num_labels else tokens
+    loss = 3 * FP32 * outputs * loss_tokens
     if gradient_checkpointing:
         kept = 2 * h * shape.num_hidden_layers * tokens
         rebuilt = per_layer * tokens
@@ -287,6 +293,8 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True
+    loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
+    offload_activations: bool = False  # activations saved for backward kept in pinned host memory
     adapter: Adapter | None = None
     num_labels: int | None = None  # sequence classification head instead of the LM head
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
@@ -438,12 +446,17 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             result.gpu_parts["ZeRO-3 gathered weights"] = int(2 * largest_bytes)
         if s.adapter.quantized:
             result.gpu_parts["dequantised weight (bf16)"] = biggest_linear * BF16
-    act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels)
+    act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels,
+                           loss_chunks=s.loss_chunks)
     kept_label = "activations kept, " + ("layer inputs only (checkpointing)" if s.gradient_checkpointing
                                          else "all layers (no checkpointing)")
-    result.gpu_parts[kept_label] = act["kept"]
+    if s.offload_activations:  # models.activation_offload: what autograd keeps lives in pinned host memory
+        result.host_parts["activations offloaded (pinned)"] = act["kept"] * s.gpus_per_node
+    else:
+        result.gpu_parts[kept_label] = act["kept"]
     if act["loss"] >= act["recompute"]:
-        result.gpu_parts["logits + loss (bf16 + 2x fp32)"] = act["loss"]
+        chunked = f" (1/{s.loss_chunks} of the tokens at a time)" if s.loss_chunks and not s.num_labels else ""
+        result.gpu_parts[f"logits + loss{chunked}"] = act["loss"]
     else:
         result.gpu_parts["one layer recomputed in backward"] = act["recompute"]
     tensors = sum(result.gpu_parts.values())
@@ -457,8 +470,9 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
 # Relative cost of each change (slowdown or hardware), cheapest first. Halving the micro-batch
 # (with twice the accumulation: same global batch) costs the least; more GPUs cost the most, and
 # spreading them over more nodes a little more (slower network). Dropping an offload costs nothing.
-COSTS = {"micro_batch_halving": 1, "gradient_checkpointing": 3, "zero3": 2, "offload_optimizer": 5,
-         "offload_param": 8, "gpu_doubling": 20, "node_doubling": 2}
+COSTS = {"chunked_loss": 0.5, "micro_batch_halving": 1, "gradient_checkpointing": 3, "zero3": 2,
+         "offload_optimizer": 5, "offload_param": 8, "gpu_doubling": 20, "node_doubling": 2}
+SUGGESTED_LOSS_CHUNKS = 8  # the recipes' default --loss-chunks
 MAX_GPUS_PER_NODE = 8
 MAX_NODES = 64
 
@@ -481,8 +495,9 @@ def _doublings(start: int, limit: int) -> list[int]:
 
 
 def _candidates(s: Setup):
-    for halve, gc, z3, opt, par, gpn, nodes in itertools.product(
-            range(int(math.log2(max(1, s.micro_batch))) + 1), {s.gradient_checkpointing, True},
+    chunk_choices = {s.loss_chunks, s.loss_chunks or (0 if s.num_labels else SUGGESTED_LOSS_CHUNKS)}
+    for chunks, halve, gc, z3, opt, par, gpn, nodes in itertools.product(
+            chunk_choices, range(int(math.log2(max(1, s.micro_batch))) + 1), {s.gradient_checkpointing, True},
             {s.stage == 3, True}, (False, True), (False, True),
             _doublings(s.gpus_per_node, max(MAX_GPUS_PER_NODE, s.gpus_per_node)), _doublings(s.nodes, MAX_NODES)):
         stage = 3 if z3 else s.stage
@@ -490,22 +505,26 @@ def _candidates(s: Setup):
             continue
         if s.engine == "fsdp2" and (opt or par):  # FSDP2 here: no offload, no stage to raise
             continue
-        cost = (halve * COSTS["micro_batch_halving"]
+        cost = ((chunks != s.loss_chunks) * COSTS["chunked_loss"] + halve * COSTS["micro_batch_halving"]
                 + (gc and not s.gradient_checkpointing) * COSTS["gradient_checkpointing"]
                 + (stage != s.stage) * COSTS["zero3"]
                 + (opt and not s.offload_optimizer) * COSTS["offload_optimizer"]
                 + (par and not s.offload_param) * COSTS["offload_param"]
                 + math.log2(gpn * nodes / s.gpus) * COSTS["gpu_doubling"]
                 + math.log2(nodes / s.nodes) * COSTS["node_doubling"])
-        yield cost, replace(s, micro_batch=max(1, s.micro_batch >> halve), gradient_checkpointing=gc, stage=stage,
-                            offload_optimizer=opt, offload_param=par, gpus_per_node=gpn, nodes=nodes)
+        yield cost, replace(s, loss_chunks=chunks, micro_batch=max(1, s.micro_batch >> halve),
+                            gradient_checkpointing=gc, stage=stage, offload_optimizer=opt, offload_param=par,
+                            gpus_per_node=gpn, nodes=nodes)
 
 
 def describe_changes(old: Setup, new: Setup, flags: dict | None = None) -> list[str]:
     """The concrete command-line and DeepSpeed-JSON edits that turn ``old`` into ``new``."""
     f = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
-         "gradient_checkpointing": "drop --no-gradient-checkpointing", **(flags or {})}
+         "gradient_checkpointing": "drop --no-gradient-checkpointing", "loss_chunks": "--loss-chunks",
+         **(flags or {})}
     out = []
+    if new.loss_chunks != old.loss_chunks:
+        out.append(f"the loss in chunks (`{f['loss_chunks']} {new.loss_chunks}`)")
     if new.micro_batch != old.micro_batch:
         ratio = old.micro_batch // new.micro_batch
         out.append(f"`{f['micro_batch']} {new.micro_batch}` with {ratio}x `{f['grad_accum']}` (same global batch)")
@@ -579,7 +598,8 @@ def local_gpu_memory_GiB() -> float | None:
 
 def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
-              num_labels: int | None = None, gpu_memory_GiB: float | None = None,
+              num_labels: int | None = None, loss_chunks: int = 0, offload_activations: bool = False,
+              gpu_memory_GiB: float | None = None,
               host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
               flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
@@ -609,7 +629,8 @@ def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_ba
         gpu_memory_GiB = local_gpu_memory_GiB()
     fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
                   host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
-                  gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels)
+                  gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels,
+                  loss_chunks=loss_chunks, offload_activations=offload_activations)
     setup = setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")

@@ -11,7 +11,7 @@ from finetune_kit.planning.memory import GiB, Plan, plan, setup_for_fsdp2, setup
 from finetune_kit.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
-              "gradient_checkpointing")
+              "gradient_checkpointing", "loss_chunks", "offload_activations")
 
 
 def gib(value: int) -> str:
@@ -70,8 +70,15 @@ def recipe_table(recipe_dir: Path) -> str:
                   "per parameter sharded, plus the gathered layers)")
     note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
             f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
-            "activations with the loss's logits, and CUDA context + allocator overhead; host RAM per node "
+            f"activations with the loss's logits{logits_note(plans[0][1].setup)}, and CUDA context + allocator "
+            "overhead; host RAM per node "
             "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
     header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
               "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
     return note + "\n\n" + markdown_table(header, rows)
+
+
+def logits_note(setup) -> str:
+    if setup.loss_chunks and not setup.num_labels:
+        return f" (the loss in {setup.loss_chunks} chunks of tokens, the recipe's default)"
+    return ""

@@ -68,6 +68,8 @@ class Training(_Strict):
     global_batch_size: int  # sequences per optimizer step
     gradient_checkpointing: bool
     packing: bool = False
+    loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
+    offload_activations: bool = False  # tensors saved for backward kept in host memory
 
 
 class Measured(_Strict):

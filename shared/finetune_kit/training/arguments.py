@@ -16,7 +16,7 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
                   instruction_data: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with the common flags and the recipe's defaults; ``examples`` names what
     one training example is (sequences, reviews) in the help; ``instruction_data`` adds the
-    instruction-data flags (:func:`add_data_arguments`)."""
+    instruction-data flags (:func:`add_data_arguments`) and the causal-LM loss's (``--loss-chunks``)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default=model, help="hub id or local folder")
     p.add_argument("--output", default=output, help="run folder (checkpoints, model, metrics, records)")
@@ -31,6 +31,9 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--eval-fraction", type=float, default=eval_fraction, help=f"share of {examples} held out")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                    help="keep all activations (faster, much more memory)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep the tensors saved for backward in pinned host memory: less GPU memory for PCIe "
+                        "copies (models.activation_offload)")
     p.add_argument("--save-every", type=int, default=200,
                    help="checkpoint every N optimizer steps and at the last (0: none; the model is still saved)")
     p.add_argument("--no-save-model", dest="save_model", action="store_false",
@@ -48,7 +51,12 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--skip-memory-check", action="store_true",
                    help="launch even if the memory planner predicts the run does not fit the GPUs")
-    return add_data_arguments(p) if instruction_data else p
+    if not instruction_data:
+        return p
+    p.add_argument("--loss-chunks", type=int, default=8,
+                   help="compute the LM loss this many token chunks at a time: one chunk's logits in memory "
+                        "instead of the whole micro-batch's, for a second pass of the head (0: full logits)")
+    return add_data_arguments(p)
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,6 +71,11 @@ def add_data_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default="auto",
                    help=f"{', '.join(templates.CHOICES)}, a .jinja file, or a tokenizer to borrow it from; "
                         "auto: the tokenizer's own, else plain")
+    p.add_argument("--data-cache", default="auto",
+                   help="folder of tokenised data kept between launches (auto: $FINETUNE_CACHE_DIR or "
+                        "~/.cache/finetune_kit; none: tokenise every launch)")
+    p.add_argument("--data-workers", type=int, default=0,
+                   help="processes that tokenise (0: one per CPU, up to 8, from 20,000 rows)")
     p.add_argument("--pack", action="store_true",
                    help="several whole examples per sequence; attention stays inside each example")
     return p

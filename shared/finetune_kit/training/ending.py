@@ -124,7 +124,10 @@ class RunBase:
                 script_args=checked.script_args, world=acc.num_processes, nodes=env.num_nodes(), meter=self.meter,
                 warmup_steps=self.args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
                 predicted_gpu_GiB=checked.memory_plan.gpu_bytes / 2**30,
-                training={"method": checked.method, "seq_len": self.args.max_seq_len, **shape, **(training or {})})
+                training={"method": checked.method, "seq_len": self.args.max_seq_len, **shape,
+                          "loss_chunks": getattr(self.args, "loss_chunks", 0),
+                          "offload_activations": bool(getattr(self.args, "offload_activations", False)),
+                          **(training or {})})
             run_record.data = self.data_counts
             run_record.write(checked.output / "run_record.json")
             record.RunInfo(

@@ -25,11 +25,10 @@ from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import memory
 from finetune_kit.training import checkpoints, resharding
 
-# What the checks call the batch and resume flags, per kind of script.
-ACCELERATE_FLAGS = {"micro_batch": "--micro-batch-size", "grad_accum": "--grad-accum",
-                    "gradient_checkpointing": "gradient checkpointing (the default)"}
+# What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
+# are planning.memory.describe_changes' defaults).
 TRAINER_FLAGS = {"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
-                 "gradient_checkpointing": "--activation_checkpointing true"}
+                 "gradient_checkpointing": "--activation_checkpointing true", "loss_chunks": "--loss_chunks"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     ``launch``/``configs``: the launch command and the configs to suggest; ``resume_must_match``: the
     recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
     model_config, shape = _model(args.model, args.max_seq_len)
+    _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     fsdp_launch = fsdp.read() if fsdp.launched() else None
     if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
         if method != "full" or zero_stage != 3:
@@ -95,6 +95,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
         memory_kwargs=dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
                            gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                           loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
+                           offload_activations=args.offload_activations,
                            adapter=adapter, skip=args.skip_memory_check),
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
@@ -118,6 +120,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
             trainer_kwargs[key] = from_json
     checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
+    _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
     identity = {"architecture": architecture(model_config, shape)}
 
     def check_resume(checkpoint: Path) -> None:
@@ -140,6 +143,8 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
         memory_kwargs=dict(micro_batch=trainer_kwargs["per_device_train_batch_size"],
                            seq_len=recipe_args.max_seq_len,
                            gradient_checkpointing=trainer_kwargs["activation_checkpointing"],
+                           loss_chunks=_loss_chunks(getattr(recipe_args, "loss_chunks", 0), "--loss_chunks"),
+                           offload_activations=getattr(recipe_args, "offload_activations", False),
                            skip=recipe_args.skip_memory_check, skip_flag="--skip_memory_check", flags=TRAINER_FLAGS),
         report_to=(trainer_kwargs.get("report_to"), "--report_to"), output=Path(trainer_kwargs["output_dir"]),
         layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
@@ -179,6 +184,19 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
     return Preflight(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
                      identity, estimate, script_args, method=method, num_labels=num_labels)
+
+
+def _loss_chunks(chunks: int, flag: str) -> int:
+    if chunks < 0:
+        raise ConfigError(f"{flag} {chunks}: the loss is computed in that many chunks of tokens, a whole number "
+                          f"from 1 (8 is the default), or 0 for the whole micro-batch at once. Pass {flag} 8.")
+    return chunks
+
+
+def _data_workers(workers: int, flag: str) -> None:
+    if workers < 0:
+        raise ConfigError(f"{flag} {workers}: that many processes tokenise the data, a whole number from 1, or 0 "
+                          f"to take one per CPU (up to 8) for large data. Pass {flag} 0.")
 
 
 def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:

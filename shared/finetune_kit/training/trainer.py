@@ -13,6 +13,7 @@ to the rank's Prometheus endpoint when the run has one (:mod:`finetune_kit.meter
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
@@ -22,6 +23,7 @@ from finetune_kit.metering import keys, peak_memory
 from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
+from finetune_kit.models.activation_offload import offload_activations
 from finetune_kit.training import checkpoints
 from finetune_kit.training.preemption import stop_line
 
@@ -31,8 +33,10 @@ class MeteredTrainer(Trainer):
     rank's Prometheus ``endpoint`` (or None). ``self.meter`` holds every step's rate, for the run
     record's medians."""
 
-    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, endpoint=None, **kwargs):
+    def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, endpoint=None,
+                 offload_activations: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.offload_activations = offload_activations
         self.tally = StepTally(flop_counter)
         self.meter = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
         metering = MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero()), endpoint)
@@ -42,6 +46,13 @@ class MeteredTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.tally.add(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss_context_manager(self):
+        """The forward and loss (not the backward) with the activations offloaded when asked."""
+        stack = ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
+        stack.enter_context(offload_activations(self.offload_activations))
+        return stack
 
 
 class MeteringCallback(TrainerCallback):

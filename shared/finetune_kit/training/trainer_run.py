@@ -74,7 +74,8 @@ class TrainerRun(RunBase):
         self.flop_counter = FlopCounter(c.shape, num_labels=c.num_labels)
         self.endpoint = prometheus.open_endpoint(c.recipe)
         trainer = MeteredTrainer(args=self.training_args, flop_counter=self.flop_counter, metrics_dir=c.output,
-                                 endpoint=self.endpoint, **trainer_kwargs)
+                                 endpoint=self.endpoint,
+                                 offload_activations=getattr(self.args, "offload_activations", False), **trainer_kwargs)
         stop = StopRequest(announce=trainer.args.local_process_index == 0).install()
         trainer.add_callback(StopCallback(trainer, stop))
         trainer.add_callback(RoomToSaveCallback(trainer, c.checkpoint_estimate))  # sees the final should_save

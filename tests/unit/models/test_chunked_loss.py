@@ -1,0 +1,117 @@
+"""The chunked loss equals transformers' loss and gradients: plain, padded, packed, LoRA, the Trainer's
+token count; and the planner counts one chunk's logits."""
+
+import pytest
+import torch
+
+from finetune_kit.models.chunked_loss import chunked_cross_entropy, use_chunked_loss
+
+# fp32: the chunked and the plain loss add the same per-token values in another order. Measured on
+# this tiny model (1, 3, 4 and 8 chunks x 3 batches, AMD EPYC): loss 7.6e-8 apart (relative); no
+# gradient entry further apart than 5.5e-7 of its tensor's largest. 1e-5 leaves room for other
+# CPUs' kernels; the wrong-shift control below is 2.5e-3 off, 250 times the tolerance.
+RTOL = 1e-5
+
+
+def tiny_lm(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+
+
+def batch(vocab: int, rows: int = 3, length: int = 40, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0  # a padded row
+    labels = ids.clone()
+    labels[:, :10] = -100  # the prompt takes no loss
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loss_and_grads(model, inputs: dict):
+    model.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, rtol=RTOL):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_same_loss_and_gradients_as_transformers(tiny_llama3, chunks):
+    inputs = batch(512)
+    plain = loss_and_grads(tiny_lm(tiny_llama3), inputs)
+    model = use_chunked_loss(tiny_lm(tiny_llama3), chunks)
+    chunked = loss_and_grads(model, inputs)
+    assert model(**inputs).logits is None  # no full logits were made
+    assert_same(plain, chunked)
+
+
+def test_packed_rows_and_the_trainers_token_count(tiny_llama3):
+    """position_ids restart per packed example; num_items_in_batch (the HF Trainer's count over the
+    accumulated micro-batches) replaces the mean over this micro-batch."""
+    inputs = batch(512)
+    inputs["position_ids"] = torch.cat([torch.arange(20), torch.arange(20)]).expand(3, -1)
+    inputs["num_items_in_batch"] = torch.tensor(200)
+    assert_same(loss_and_grads(tiny_lm(tiny_llama3), inputs),
+                loss_and_grads(use_chunked_loss(tiny_lm(tiny_llama3), 4), inputs))
+
+
+def test_lora_model_same_loss_and_adapter_gradients(tiny_llama3):
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        return get_peft_model(tiny_lm(tiny_llama3), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                               init_lora_weights=False))
+
+    inputs = batch(512)
+    plain, chunked = loss_and_grads(lora(), inputs), loss_and_grads(use_chunked_loss(lora(), 4), inputs)
+    assert any("lora_" in name for name in chunked[1])
+    assert_same(plain, chunked)
+
+
+def test_bf16_model_within_bf16_rounding(tiny_llama3):
+    """In bf16 the head's matmul of a chunk may round differently from the whole batch's (another
+    kernel blocking); the loss stays within bf16's relative spacing."""
+    inputs = batch(512)
+    plain = tiny_lm(tiny_llama3, torch.bfloat16)(**inputs).loss
+    chunked = use_chunked_loss(tiny_lm(tiny_llama3, torch.bfloat16), 8)(**inputs).loss
+    torch.testing.assert_close(chunked, plain, rtol=2**-8, atol=0)
+
+
+def test_the_tolerance_catches_a_wrong_shift(tiny_llama3):
+    """Negative control: the same chunks without the one-token shift (each token predicting itself)."""
+    model = tiny_lm(tiny_llama3)
+    inputs = batch(512)
+    hidden = model.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    right = chunked_cross_entropy(model.lm_head, hidden, inputs["labels"], chunks=4)
+    unshifted = torch.cat([torch.full((3, 1), -100), inputs["labels"][:, :-1]], dim=1)  # undone by the shift inside
+    wrong = chunked_cross_entropy(model.lm_head, hidden, unshifted, chunks=4)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(wrong, right, rtol=RTOL, atol=0)
+
+
+def test_a_model_without_an_lm_head_is_refused():
+    with pytest.raises(TypeError, match="not a decoder with an lm_head"):
+        use_chunked_loss(torch.nn.Linear(2, 2), 8)
+
+
+def test_the_planner_counts_one_chunks_logits():
+    from finetune_kit.models.shapes import resolve_model
+    from finetune_kit.planning.memory import activation_bytes
+
+    shape = resolve_model("llama3-8b")
+    whole = activation_bytes(shape, 4, 2048, True)
+    chunked = activation_bytes(shape, 4, 2048, True, loss_chunks=8)
+    assert whole["loss"] == 12 * 128256 * 4 * 2048  # 11.7 GiB: the backward's three fp32 tensors of logits' size
+    assert chunked["loss"] == whole["loss"] // 8
+    assert activation_bytes(shape, 4, 2048, True, num_labels=2, loss_chunks=8)["loss"] == 12 * 2 * 4 * 2048
