@@ -64,6 +64,9 @@ class RecipeArguments:
                 "none: tokenise every launch)"})
     data_workers: int = field(default=0, metadata={
         "help": "processes that tokenise (0: one per CPU, up to 8, from 20,000 rows)"})
+    attention: str = field(default="auto", metadata={
+        "help": "auto (packed_varlen with --pack: each example attends to itself, no mask built; else sdpa), sdpa, "
+                "packed_varlen, flex_attention, eager"})
     pack: bool = field(default=False, metadata={
         "help": "several whole examples per sequence; attention stays inside each"})
     eval_fraction: float = field(default=0.05, metadata={"help": "share of rows held out"})
@@ -140,7 +143,7 @@ def main(argv=None) -> None:
     run.check_enough_data(len(train_set))
 
     # ---- 4. Model: every rank holds the bf16 weights; ZeRO-2 splits gradients and optimizer ----
-    model = models.load_causal_lm(recipe.model)
+    model = models.load_causal_lm(recipe.model, models.attention_for(recipe.attention, packed=recipe.pack))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False

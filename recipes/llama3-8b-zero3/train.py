@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     run.plan_steps(train_dl)
 
     # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
-    model = models.load_causal_lm(args.model)
+    model = models.load_causal_lm(args.model, models.attention_for(args.attention, packed=args.pack))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)

@@ -349,6 +349,17 @@ def test_multi_turn_packed_run_matches_golden(chat_run):
     assert_matches_golden(got, CHAT_GOLDEN, STEPS)
 
 
+@pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="compares with the golden losses")
+def test_packed_rows_train_the_same_through_sdpas_block_mask(recipe_copy, tiny_llama3, tmp_path):
+    """The packed run above goes through the variable-length path (--attention auto); the same run through
+    SDPA with the block-diagonal mask transformers builds gives the same golden losses."""
+    output = tmp_path / "sdpa"
+    proc = launch(recipe_copy, *sizes(tiny_llama3, SAMPLE_CHAT), "--pack", "--attention", "sdpa", "--output",
+                  str(output), "--max-steps", str(STEPS), "--save-every", "0", "--no-save-model")
+    assert_finished(proc, STEPS, "multi-turn packed run through SDPA")
+    assert_matches_golden(losses(output), CHAT_GOLDEN, STEPS)
+
+
 def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
     from finetune_kit import data, models
     from finetune_kit.results.record import RunRecord
@@ -546,6 +557,7 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("no_room_for_a_checkpoint", r"has 1\.0 MiB free and a checkpoint takes about .* MiB.*--save-every 0"),
     ("negative_loss_chunks", r"--loss-chunks -1: the loss is computed in that many chunks .* Pass --loss-chunks 8"),
     ("negative_data_workers", r"--data-workers -2: that many processes tokenise the data.* Pass --data-workers 0"),
+    ("flex_attention_on_cpu", r"--attention flex_attention needs a CUDA GPU: PyTorch's FlexAttention has no backward"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -577,6 +589,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--loss-chunks"] = "-1"
     elif case == "negative_data_workers":
         args["--data-workers"] = "-2"
+    elif case == "flex_attention_on_cpu":
+        args["--attention"] = "flex_attention"
     elif case == "deepspeed_typo":
         config = json.loads((RECIPE / "configs/zero3.json").read_text())
         config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(

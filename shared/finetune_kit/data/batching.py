@@ -5,9 +5,10 @@
 - :func:`pack` + :class:`PackedCollator`: several whole examples per row of at most
   ``max_seq_len`` tokens, and a micro-batch's rows laid end to end in one row of shape
   ``(1, tokens)`` -- no padding at all. ``position_ids`` restart at 0 for every example and
-  there is no ``attention_mask``: from those restarts transformers builds attention that
-  stays inside each example (a block-diagonal causal mask for SDPA/eager; variable-length
-  kernels for FlashAttention). Each example's first label is -100, so no token is learnt
+  there is no ``attention_mask``: attention stays inside each example, through a
+  variable-length kernel (``models.packed_attention``, the recipes' default for packed rows) or,
+  with ``--attention sdpa``, a block-diagonal causal mask transformers builds from the restarts
+  (only without a KV cache: ``use_cache=False``). Each example's first label is -100, so no token is learnt
   from the example before it. A packed example therefore sees exactly what it would see
   alone (tests/unit/data/test_packing.py checks the losses agree).
 

@@ -21,6 +21,7 @@ class Variant:
     seq_len: int | None = None
     flags: tuple[str, ...] = ()  # recipe flags added to the case's
     lever: str = ""  # what this row changes, for the table
+    data: str | None = None  # the synthetic data's kind (default: the case's; short-instructions for packing)
 
 
 NO_CKPT = ("--no-gradient-checkpointing",)
@@ -42,6 +43,10 @@ VARIANTS = [
             lever="activations saved for backward in pinned host memory, accumulation 4"),
     Variant("8b-mb2-ga4-nockpt-offloadact", "llama3-8b-zero3", 2, 4, flags=(*NO_CKPT, "--offload-activations"),
             lever="no activation checkpointing, activations in host memory, accumulation 4"),
+    Variant("8b-packed-sdpa", "llama3-8b-zero3", 2, 4, flags=("--pack", "--attention", "sdpa"),
+            data="short-instructions", lever="packed short examples, SDPA with the block-diagonal mask"),
+    Variant("8b-packed-varlen", "llama3-8b-zero3", 2, 4, flags=("--pack",), data="short-instructions",
+            lever="packed short examples, the variable-length kernel (--attention auto)"),
     Variant("8b-fsdp2-mb2-ga4", "llama3-8b-zero3-fsdp2", 2, 4, lever="FSDP2 instead of ZeRO-3, accumulation 4"),
     Variant("8b-offload-mb2-ga8", "llama3-8b-zero3-offload", 2, 8,
             lever="optimizer offloaded to CPU Adam, accumulation 8"),

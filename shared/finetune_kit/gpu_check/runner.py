@@ -30,7 +30,7 @@ from pathlib import Path
 
 from finetune_kit.gpu_check import ablation, preflight
 from finetune_kit.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
-from finetune_kit.gpu_check.synthetic import build_model, check_shape, write_data
+from finetune_kit.gpu_check.synthetic import SHORT_PER_ROW, build_model, check_shape, write_data
 from finetune_kit.repo.paths import find_root
 from finetune_kit.tables import text_table
 
@@ -85,9 +85,10 @@ def free_port() -> int:
 
 def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, steps: int, seq_len: int,
              micro_batch: int, grad_accum: int = 1, save: bool = True, timeout: float | None = None,
-             extra: tuple[str, ...] = (), name: str | None = None) -> dict:
+             extra: tuple[str, ...] = (), name: str | None = None, data: str | None = None) -> dict:
     """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out").
-    ``name`` (default: the case's) names the output folder and the record."""
+    ``name`` (default: the case's) names the output folder and the record; ``data`` (default: the
+    case's) the kind of synthetic data."""
     name = name or case.name
     row = {"case": case.name, "recipe": case.recipe, "layers": layers, "seq_len": seq_len,
            "micro_batch": micro_batch, "grad_accum": grad_accum, "steps": steps}
@@ -95,9 +96,13 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
         row = {"run": name, **row}
     if extra:
         row["extra_flags"] = list(extra)
-    suffix = "csv" if case.data == "reviews" else "jsonl"
+    kind = data or case.data
+    if kind != case.data:
+        row["data"] = kind
+    suffix = "csv" if kind == "reviews" else "jsonl"
     rows = steps * micro_batch * grad_accum * 2 + 8  # enough for every step and a held-out share
-    data = write_data(case.data, out / "data" / f"{case.data}-{seq_len}-{rows}.{suffix}", rows=rows, seq_len=seq_len)
+    rows *= SHORT_PER_ROW if kind == "short-instructions" else 1  # packed: several examples per sequence
+    data = write_data(kind, out / "data" / f"{kind}-{seq_len}-{rows}.{suffix}", rows=rows, seq_len=seq_len)
     output = out / name
     shutil.rmtree(output, ignore_errors=True)
     output.mkdir(parents=True)
@@ -264,16 +269,16 @@ def main(argv=None) -> int:
               f"({time.monotonic() - ops_started:.0f} s after the builds began)", flush=True)
     extra = tuple(shlex.split(args.extra))
 
-    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=()) -> dict:
+    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=(), data=None) -> dict:
         return {"steps": args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
                 "seq_len": seq_len or args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
                 "micro_batch": micro_batch or args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
                 "grad_accum": grad_accum or args.grad_accum or (TINY if tiny else GPU_DEFAULTS)["grad_accum"],
-                "extra": extra + tuple(flags)}
+                "extra": extra + tuple(flags), "data": data}
 
     if args.ablation:
-        runs = [(v.name, BY_NAME[v.case], settings(BY_NAME[v.case], v.micro_batch, v.grad_accum, v.seq_len, v.flags))
-                for v in variants]
+        runs = [(v.name, BY_NAME[v.case],
+                 settings(BY_NAME[v.case], v.micro_batch, v.grad_accum, v.seq_len, v.flags, v.data)) for v in variants]
     else:
         runs = [(case.name, case, settings(case)) for case in cases]
     rows = []

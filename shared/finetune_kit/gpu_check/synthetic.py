@@ -76,10 +76,14 @@ def _words(rng: random.Random, count: int, vocabulary: list[str]) -> str:
     return " ".join(rng.choice(vocabulary) for _ in range(count))
 
 
+SHORT_PER_ROW = 8  # short-instructions examples per packed sequence, about
+
+
 def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0) -> Path:
     """``rows`` examples longer than ``seq_len`` tokens: instruction JSONL (conversations of many
     short exchanges, which truncation at turn boundaries cuts to within one exchange of
-    ``seq_len``: nearly no padding) or review CSV (truncation fills every sequence)."""
+    ``seq_len``: nearly no padding) or review CSV (truncation fills every sequence). Or, for
+    packing, ``short-instructions``: one exchange each, of 1/16 to 1/4 of ``seq_len`` tokens."""
     rng = random.Random(seed)
     vocabulary = sorted({w for text in sample_texts() for w in text.split()})
     path = Path(path)
@@ -92,6 +96,12 @@ def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0)
                           {"role": "assistant", "content": _words(rng, words, vocabulary)}]
                          for _ in range(seq_len // (words + 4) + 1)]  # an exchange is more than words + 4 tokens
                 f.write(json.dumps({"messages": [m for turn in turns for m in turn]}) + "\n")
+    elif kind == "short-instructions":  # for packing: one exchange of 1/16 to 1/4 of seq_len tokens
+        with path.open("w") as f:
+            for _ in range(rows):
+                answer = _words(rng, rng.randint(seq_len // 64, seq_len // 16), vocabulary)  # ~2-3 tokens a word
+                f.write(json.dumps({"messages": [{"role": "user", "content": "Continue."},
+                                                 {"role": "assistant", "content": answer}]}) + "\n")
     elif kind == "reviews":
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -99,5 +109,5 @@ def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0)
             for i in range(rows):
                 writer.writerow([1 if i % 2 else 5, _words(rng, 2 * seq_len, vocabulary)])
     else:
-        raise ValueError(f"data kind {kind!r}: instructions or reviews")
+        raise ValueError(f"data kind {kind!r}: instructions, short-instructions or reviews")
     return path

@@ -1,14 +1,16 @@
 """Models: shapes and parameter counts from a config (:mod:`.shapes`, no torch), loading with a real
 pad token (:mod:`.loading`, whose functions are importable from here), tiny test models
 (:mod:`.tiny`), 4-bit bases with LoRA under ZeRO-3 (:mod:`.qlora`), and the causal-LM loss without the
-full logits (:mod:`.chunked_loss`) and activations kept in host memory (:mod:`.activation_offload`): their
-``use_chunked_loss`` and ``offload_activations`` are importable from here."""
+full logits (:mod:`.chunked_loss`), activations kept in host memory (:mod:`.activation_offload`) and packed rows'
+attention through a variable-length kernel (:mod:`.packed_attention`): their ``use_chunked_loss``,
+``offload_activations`` and ``attention_for`` are importable from here."""
 
 from importlib import import_module
 
 _LOADING = ("load_config", "check_seq_len", "load_tokenizer", "ensure_pad_token", "load_causal_lm")
 _LEVERS = {"use_chunked_loss": "finetune_kit.models.chunked_loss",
-           "offload_activations": "finetune_kit.models.activation_offload"}
+           "offload_activations": "finetune_kit.models.activation_offload",
+           "attention_for": "finetune_kit.models.packed_attention"}
 __all__ = [*_LOADING, *_LEVERS]
 
 

@@ -119,8 +119,9 @@ def ensure_pad_token(tokenizer) -> str:
     return "<pad>"
 
 
-def load_causal_lm(model: str):
-    """``AutoModelForCausalLM`` in bf16 (the checkpoints' own dtype) with PyTorch's SDPA attention."""
+def load_causal_lm(model: str, attention: str = "sdpa"):
+    """``AutoModelForCausalLM`` in bf16 (the checkpoints' own dtype) with ``attention`` (PyTorch's SDPA,
+    or e.g. :func:`~finetune_kit.models.packed_attention.attention_for`'s choice for packed rows)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation=attention)

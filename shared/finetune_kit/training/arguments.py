@@ -76,6 +76,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "~/.cache/finetune_kit; none: tokenise every launch)")
     p.add_argument("--data-workers", type=int, default=0,
                    help="processes that tokenise (0: one per CPU, up to 8, from 20,000 rows)")
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "packed_varlen", "flex_attention", "eager"),
+                   help="attention kernel (auto: packed_varlen with --pack -- each example attends to itself through "
+                        "a variable-length kernel on CUDA, no mask built -- else PyTorch's SDPA)")
     p.add_argument("--pack", action="store_true",
                    help="several whole examples per sequence; attention stays inside each example")
     return p

@@ -73,6 +73,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
     model_config, shape = _model(args.model, args.max_seq_len)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
+    _attention(getattr(args, "attention", "auto"), "--attention")
     fsdp_launch = fsdp.read() if fsdp.launched() else None
     if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
         if method != "full" or zero_stage != 3:
@@ -121,6 +122,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
     checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
+    _attention(getattr(recipe_args, "attention", "auto"), "--attention")
     identity = {"architecture": architecture(model_config, shape)}
 
     def check_resume(checkpoint: Path) -> None:
@@ -191,6 +193,19 @@ def _loss_chunks(chunks: int, flag: str) -> int:
         raise ConfigError(f"{flag} {chunks}: the loss is computed in that many chunks of tokens, a whole number "
                           f"from 1 (8 is the default), or 0 for the whole micro-batch at once. Pass {flag} 8.")
     return chunks
+
+
+def _attention(choice: str, flag: str) -> None:
+    import torch
+
+    from finetune_kit.models.packed_attention import CHOICES
+
+    if choice not in CHOICES:
+        raise ConfigError(f"{flag} {choice}: not one of {', '.join(CHOICES)}. Pass {flag} auto (packed rows through "
+                          "the variable-length kernel, else PyTorch's SDPA).")
+    if choice == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError(f"{flag} flex_attention needs a CUDA GPU: PyTorch's FlexAttention has no backward pass on "
+                          f"CPU. Pass {flag} auto (or sdpa) on this machine.")
 
 
 def _data_workers(workers: int, flag: str) -> None:
