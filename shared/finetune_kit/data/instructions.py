@@ -188,7 +188,7 @@ def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_templ
     keeps entries, read when this data was tokenised the same way before and written otherwise.
     ``workers``: processes that tokenise (``datasets``' num_proc); 0 picks by the number of rows."""
     template = templates.resolve(chat_template, tokenizer)
-    folder = token_cache.cache_dir(None if cache == "auto" else cache) if cache else None
+    folder = token_cache.cache_dir(cache) if cache else None
     digest = token_cache.key(data, tokenizer, template, max_seq_len) if folder else None
     hit = token_cache.load(folder, digest) if folder else None
     if hit is not None:

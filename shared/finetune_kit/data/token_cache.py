@@ -26,11 +26,11 @@ OFF = "none"
 _CODE = ("instructions.py", "templates.py", "formats.py", "token_cache.py")
 
 
-def cache_dir(choice: str | None = None) -> Path | None:
-    """The folder of ``--data-cache choice`` (None: the default; ``none``: no cache)."""
+def cache_dir(choice: str = "auto") -> Path | None:
+    """The folder of ``--data-cache choice`` (``auto``: the default; ``none``: no cache)."""
     if choice == OFF:
         return None
-    if choice:
+    if choice != "auto":
         return Path(choice).expanduser()
     return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache/finetune_kit").expanduser() / "tokenised"
 

@@ -7,16 +7,15 @@ attention through a variable-length kernel (:mod:`.packed_attention`): their ``u
 
 from importlib import import_module
 
-_LOADING = ("load_config", "check_seq_len", "load_tokenizer", "ensure_pad_token", "load_causal_lm")
-_LEVERS = {"use_chunked_loss": "finetune_kit.models.chunked_loss",
-           "offload_activations": "finetune_kit.models.activation_offload",
-           "attention_for": "finetune_kit.models.packed_attention"}
-__all__ = [*_LOADING, *_LEVERS]
+_LAZY = {**dict.fromkeys(("load_config", "check_seq_len", "load_tokenizer", "ensure_pad_token", "load_causal_lm"),
+                         "finetune_kit.models.loading"),
+         "use_chunked_loss": "finetune_kit.models.chunked_loss",
+         "offload_activations": "finetune_kit.models.activation_offload",
+         "attention_for": "finetune_kit.models.packed_attention"}
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):  # lazy: the planner imports .shapes without torch
-    if name in _LOADING:
-        return getattr(import_module("finetune_kit.models.loading"), name)
-    if name in _LEVERS:
-        return getattr(import_module(_LEVERS[name]), name)
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'finetune_kit.models' has no attribute {name!r}")

@@ -57,7 +57,7 @@ class Preflight:
 
     @property
     def zero_stage(self) -> int:
-        return 3 if self.fsdp is not None else checks.zero_stage(self.ds_config)
+        return _stage(self.fsdp, self.ds_config)
 
     def reshaping(self) -> bool:
         """The checkpoint to resume was saved by another number of ranks than this launch has."""
@@ -177,8 +177,7 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
     resume_from = checkpoints.resolve_resume(resume, output, layout)
     if resume_from is not None:
         check_resume(resume_from)
-    stage = 3 if fsdp_launch is not None else checks.zero_stage(ds_config)
-    estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, stage,
+    estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, _stage(fsdp_launch, ds_config),
                                           model_copy=layout is checkpoints.TRAINER_LAYOUT)
     if saving:
         problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate, layout), layout)
@@ -186,6 +185,11 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
     return Preflight(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
                      identity, estimate, script_args, method=method, num_labels=num_labels)
+
+
+def _stage(fsdp_launch, ds_config: dict) -> int:
+    """ZeRO's stage, or 3 for FSDP2's full sharding."""
+    return 3 if fsdp_launch is not None else checks.zero_stage(ds_config)
 
 
 def _loss_chunks(chunks: int, flag: str) -> int:
