@@ -264,8 +264,8 @@ def sample_examples(tokenizer, ids: list[int], max_seq_len: int, chat_template: 
 
 
 def bad_input_args(args: dict) -> list[str]:
-    """``{"--flag": value}`` as a command line (a value of None drops the flag)."""
-    return [x for k, v in args.items() if v is not None for x in (k, v)]
+    """``{"--flag": value}`` as a command line (a value of None drops the flag; True: the flag alone)."""
+    return [x for k, v in args.items() if v is not None for x in ((k,) if v is True else (k, v))]
 
 
 def assert_resumed_like_uninterrupted(straight: Path, resumed: Path, from_step: int, steps: int,

@@ -111,7 +111,8 @@ def main(argv=None) -> None:
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                       target_modules=targets, task_type="SEQ_CLS", bias="none",
                       modules_to_save=[qlora.HEAD])  # the new classification head trains in full
-    model = qlora.add_lora(model, lora, gradient_checkpointing=args.gradient_checkpointing)
+    model = qlora.add_lora(model, lora, gradient_checkpointing=args.gradient_checkpointing,
+                           checkpoint_every=args.checkpoint_every)
     param_classes = qlora.parameter_classes(model)
     accelerator.print(f"parameters: {param_classes}")
 

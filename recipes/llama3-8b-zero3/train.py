@@ -79,8 +79,10 @@ def main(argv=None) -> None:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
     models.use_chunked_loss(model, args.loss_chunks)  # the loss --loss-chunks pieces at a time: no full logits
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing:  # recompute every --checkpoint-every-th layer in the backward
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=args.checkpoint_every)
+    models.compile_layers(model, args.compile)  # --compile: each decoder layer through torch.compile
 
     # ---- 5. Optimizer from the JSON ("auto" filled here; FSDP2: AdamW), cosine schedule with warm-up ----
     optimizer, scheduler = run.optimizer_and_schedule(model.parameters())

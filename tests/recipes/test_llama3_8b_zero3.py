@@ -150,20 +150,28 @@ def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tin
         assert_matches_golden(got, GOLDEN, STEPS)
 
 
+LEVERS = {"whole-logits-loss": (("--loss-chunks", "0"), {"loss_chunks": 0}),
+          "activations-offloaded": (("--offload-activations",), {"offload_activations": True}),
+          "every-other-layer-checkpointed": (("--checkpoint-every", "2"), {"checkpoint_every": 2}),
+          "compiled-layers-fsdp2": (("--compile",), {"compiled": True})}
+
+
 @pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="compares with the golden losses")
-@pytest.mark.parametrize("flags", [("--loss-chunks", "0"), ("--offload-activations",)],
-                         ids=["whole-logits-loss", "activations-offloaded"])
-def test_the_memory_levers_train_the_same(flags, recipe_copy, tiny_llama3, tmp_path):
-    """Under ZeRO-3 on two ranks: the loss over the whole logits (no chunks) and the activations kept
-    in host memory give the golden losses of the default run (chunked loss, activations in place)."""
+@pytest.mark.parametrize("lever", LEVERS)
+def test_the_speed_and_memory_levers_train_the_same(lever, recipe_copy, tiny_llama3, tmp_path):
+    """On two ranks, each lever gives the golden losses of the default run of its engine (chunked
+    loss, activations in place, every layer checkpointed, eager layers), and the record says it
+    was on. torch.compile runs under FSDP2 (ZeRO-3's hooks break its graphs: refused)."""
+    flags, recorded = LEVERS[lever]
+    fsdp2 = lever.endswith("fsdp2")
     output = tmp_path / "lever"
     proc = launch(recipe_copy, *sizes(tiny_llama3), *flags, "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", "0", "--no-save-model")
+                  "--save-every", "0", "--no-save-model", config=FSDP_CONFIG if fsdp2 else "configs/zero3.yaml")
     assert_finished(proc, STEPS)
-    assert_matches_golden(losses(output), GOLDEN, STEPS)
+    assert_matches_golden(losses(output), FSDP_GOLDEN if fsdp2 else GOLDEN, STEPS)
     record = json.loads((output / "run_record.json").read_text())["training"]
-    assert (record["loss_chunks"], record["offload_activations"]) == \
-        ((0, False) if "--loss-chunks" in flags else (8, True))
+    default = {"loss_chunks": 8, "offload_activations": False, "checkpoint_every": 1, "compiled": False}
+    assert {key: record[key] for key in default} == {**default, **recorded}
 
 
 def test_metrics_carry_throughput_and_memory(run):
@@ -558,6 +566,10 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("negative_loss_chunks", r"--loss-chunks -1: the loss is computed in that many chunks .* Pass --loss-chunks 8"),
     ("negative_data_workers", r"--data-workers -2: that many processes tokenise the data.* Pass --data-workers 0"),
     ("flex_attention_on_cpu", r"--attention flex_attention needs a CUDA GPU: PyTorch's FlexAttention has no backward"),
+    ("compile_under_zero3", r"--compile under DeepSpeed ZeRO: its parameter hooks .* Compile with FSDP2 \(accelerate "
+                            r"launch --config_file configs/fsdp2\.yaml\), or drop --compile\."),
+    ("checkpoint_every_zero", r"--checkpoint-every 0: activation checkpointing applies to every N-th decoder layer.* "
+                              r"Pass --checkpoint-every 1"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -591,6 +603,10 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--data-workers"] = "-2"
     elif case == "flex_attention_on_cpu":
         args["--attention"] = "flex_attention"
+    elif case == "compile_under_zero3":
+        args["--compile"] = True
+    elif case == "checkpoint_every_zero":
+        args["--checkpoint-every"] = "0"
     elif case == "deepspeed_typo":
         config = json.loads((RECIPE / "configs/zero3.json").read_text())
         config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(

@@ -253,6 +253,10 @@ def main(argv=None) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 2
     print(f"preflight: {len(runnable)} case(s) ready", flush=True)
+    if args.ablation:
+        expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, variants))
+        print(f"ablation: {len(variants)} variant(s), expected about {expected / 60:.0f} min on one H100 "
+              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there)", flush=True)
     ops = None
     if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
         from finetune_kit.launch.cuda_ops import jit_arch_list

@@ -1,9 +1,10 @@
 """Models: shapes and parameter counts from a config (:mod:`.shapes`, no torch), loading with a real
 pad token (:mod:`.loading`, whose functions are importable from here), tiny test models
 (:mod:`.tiny`), 4-bit bases with LoRA under ZeRO-3 (:mod:`.qlora`), and the causal-LM loss without the
-full logits (:mod:`.chunked_loss`), activations kept in host memory (:mod:`.activation_offload`) and packed rows'
-attention through a variable-length kernel (:mod:`.packed_attention`): their ``use_chunked_loss``,
-``offload_activations`` and ``attention_for`` are importable from here."""
+full logits (:mod:`.chunked_loss`), activations kept in host memory (:mod:`.activation_offload`), packed rows'
+attention through a variable-length kernel (:mod:`.packed_attention`) and compiled decoder layers
+(:mod:`.compiled_layers`): their ``use_chunked_loss``, ``offload_activations``, ``attention_for`` and
+``compile_layers`` are importable from here."""
 
 from importlib import import_module
 
@@ -11,7 +12,8 @@ _LAZY = {**dict.fromkeys(("load_config", "check_seq_len", "load_tokenizer", "ens
                          "finetune_kit.models.loading"),
          "use_chunked_loss": "finetune_kit.models.chunked_loss",
          "offload_activations": "finetune_kit.models.activation_offload",
-         "attention_for": "finetune_kit.models.packed_attention"}
+         "attention_for": "finetune_kit.models.packed_attention",
+         "compile_layers": "finetune_kit.models.compiled_layers"}
 __all__ = list(_LAZY)
 
 

@@ -31,6 +31,9 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--eval-fraction", type=float, default=eval_fraction, help=f"share of {examples} held out")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
                    help="keep all activations (faster, much more memory)")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="checkpoint every N-th decoder layer (1: all; 2: half the layers keep their activations: "
+                        "less recompute, more memory)")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep the tensors saved for backward in pinned host memory: less GPU memory for PCIe "
                         "copies (models.activation_offload)")
@@ -56,6 +59,9 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--loss-chunks", type=int, default=8,
                    help="compute the LM loss this many token chunks at a time: one chunk's logits in memory "
                         "instead of the whole micro-batch's, for a second pass of the head (0: full logits)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (FSDP2 launches): fused kernels, for a compilation "
+                        "before the first step (models.compiled_layers)")
     return add_data_arguments(p)
 
 

@@ -85,9 +85,11 @@ class RunBase:
     # ---- the end ----
 
     def batch_shape(self) -> dict:
-        """micro_batch_size, grad_accum, gradient_checkpointing as this run trains."""
+        """The batch and the per-step levers as this run trains: micro_batch_size, grad_accum,
+        gradient_checkpointing, checkpoint_every, compiled."""
         return {"micro_batch_size": self.args.micro_batch_size, "grad_accum": self.args.grad_accum,
-                "gradient_checkpointing": bool(self.args.gradient_checkpointing)}
+                "gradient_checkpointing": bool(self.args.gradient_checkpointing),
+                "checkpoint_every": self.args.checkpoint_every, "compiled": bool(getattr(self.args, "compile", False))}
 
     def evaluated_at_the_end(self) -> bool:
         return self.evaluate is not None

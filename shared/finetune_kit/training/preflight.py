@@ -12,6 +12,8 @@ names the value, the rule and the fix.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,9 @@ from finetune_kit.training import checkpoints, resharding
 # are planning.memory.describe_changes' defaults).
 TRAINER_FLAGS = {"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
                  "gradient_checkpointing": "--activation_checkpointing true", "loss_chunks": "--loss_chunks"}
+
+
+FSDP_CONFIG = "accelerate launch --config_file configs/fsdp2.yaml"  # where a recipe offers FSDP2
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,12 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     model_config, shape = _model(args.model, args.max_seq_len)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _attention(getattr(args, "attention", "auto"), "--attention")
+    _compiler(getattr(args, "compile", False), "--compile")
     fsdp_launch = fsdp.read() if fsdp.launched() else None
+    if getattr(args, "compile", False) and fsdp_launch is None:
+        raise ConfigError("--compile under DeepSpeed ZeRO: its parameter hooks on every linear layer are kept out of "
+                          "torch.compile, so each decoder layer breaks into small graphs that recompile per module "
+                          f"(no gain). Compile with FSDP2 ({FSDP_CONFIG}), or drop --compile.")
     if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
         if method != "full" or zero_stage != 3:
             raise ConfigError(f"{recipe} runs under DeepSpeed ZeRO-{zero_stage}; FSDP2 launch configs are "
@@ -96,6 +106,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
         memory_kwargs=dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
                            gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                           checkpoint_every=_checkpoint_every(args.checkpoint_every, "--checkpoint-every"),
                            loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
                            offload_activations=args.offload_activations,
                            adapter=adapter, skip=args.skip_memory_check),
@@ -123,6 +134,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
     _attention(getattr(recipe_args, "attention", "auto"), "--attention")
+    _compiler(trainer_kwargs.get("torch_compile", False), "--torch_compile")
     identity = {"architecture": architecture(model_config, shape)}
 
     def check_resume(checkpoint: Path) -> None:
@@ -145,6 +157,9 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
         memory_kwargs=dict(micro_batch=trainer_kwargs["per_device_train_batch_size"],
                            seq_len=recipe_args.max_seq_len,
                            gradient_checkpointing=trainer_kwargs["activation_checkpointing"],
+                           checkpoint_every=_checkpoint_every(
+                               checkpoint_every(trainer_kwargs.get("activation_checkpointing_kwargs")),
+                               "--activation_checkpointing_kwargs' every_n_layers"),
                            loss_chunks=_loss_chunks(getattr(recipe_args, "loss_chunks", 0), "--loss_chunks"),
                            offload_activations=getattr(recipe_args, "offload_activations", False),
                            skip=recipe_args.skip_memory_check, skip_flag="--skip_memory_check", flags=TRAINER_FLAGS),
@@ -197,6 +212,32 @@ def _loss_chunks(chunks: int, flag: str) -> int:
         raise ConfigError(f"{flag} {chunks}: the loss is computed in that many chunks of tokens, a whole number "
                           f"from 1 (8 is the default), or 0 for the whole micro-batch at once. Pass {flag} 8.")
     return chunks
+
+
+def checkpoint_every(activation_checkpointing_kwargs) -> int:
+    """``every_n_layers`` of the Trainer's ``--activation_checkpointing_kwargs`` (a dict, or its JSON
+    as parsed from the command line); 1 when absent."""
+    kwargs = activation_checkpointing_kwargs or {}
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    return kwargs.get("every_n_layers", 1)
+
+
+def _checkpoint_every(every: int, flag: str) -> int:
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"{flag} {every}: activation checkpointing applies to every N-th decoder layer, N a whole "
+                          f"number from 1 (every layer, the default). Pass {flag} 1, or 2 to keep every other "
+                          "layer's activations.")
+    return every
+
+
+def _compiler(enabled: bool, flag: str) -> None:
+    import shutil
+
+    if enabled and not any(shutil.which(cc) for cc in (os.environ.get("CC", "cc"), "gcc", "clang")):
+        raise ConfigError(f"{flag}: torch.compile builds its kernels with a C compiler (Triton's launcher on a GPU, "
+                          "Inductor's C++ on a CPU), and none is on PATH (cc, gcc, clang, $CC). Install gcc, or "
+                          f"drop {flag}.")
 
 
 def _attention(choice: str, flag: str) -> None:

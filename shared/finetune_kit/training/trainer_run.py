@@ -86,7 +86,9 @@ class TrainerRun(RunBase):
     def batch_shape(self) -> dict:
         a = self._trainer.args
         return {"micro_batch_size": a.per_device_train_batch_size, "grad_accum": a.gradient_accumulation_steps,
-                "gradient_checkpointing": bool(a.activation_checkpointing)}
+                "gradient_checkpointing": bool(a.activation_checkpointing),
+                "checkpoint_every": preflight.checkpoint_every(a.activation_checkpointing_kwargs),
+                "compiled": a.torch_compile}
 
     def finish(self, model, *, saved_to, seen_ids: list[int], details: dict | None = None,
                training: dict | None = None) -> None:

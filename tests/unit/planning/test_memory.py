@@ -343,3 +343,37 @@ def test_the_parameter_buffers_are_those_the_launched_json_sets():
     assert memory.setup_from_deepspeed(ds).param_buffers == (5, 1e8)
     ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
     assert memory.setup_from_deepspeed(ds).param_buffers is None
+
+
+@pytest.mark.parametrize("every", [2, 3, 32, 40])
+def test_checkpointing_every_nth_layer_keeps_the_other_layers_whole(every):
+    shape = resolve_model("llama3-8b")
+    h, L, tokens = shape.hidden_size, shape.num_hidden_layers, 2048
+    full = activation_bytes(shape, 1, tokens, False)
+    all_layers = activation_bytes(shape, 1, tokens, True)
+    act = activation_bytes(shape, 1, tokens, True, checkpoint_every=every)
+    per_layer = (full["kept"] - 8 * h * tokens) // (L * tokens)
+    checkpointed = -(-L // every)
+    assert act["kept"] == (2 * h * checkpointed + per_layer * (L - checkpointed) + 8 * h) * tokens
+    assert all_layers["kept"] < act["kept"] < full["kept"]
+    assert act["recompute"] == all_layers["recompute"]  # one checkpointed layer rebuilt at a time
+    assert activation_bytes(shape, 1, tokens, True, checkpoint_every=1) == all_layers
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_the_planners_checkpointed_layers_are_the_ones_transformers_checkpoints(every):
+    """transformers' every_n_layers (the recipes' --checkpoint-every) checkpoints layers 0, n, 2n, ...:
+    ceil(L/n) of them, as activation_bytes counts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 7}))
+    model.activation_checkpointing_enable(every_n_layers=every)
+    flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    assert flags == [i % every == 0 for i in range(7)]
+    assert sum(flags) == -(-7 // every)
+
+
+def test_the_plan_names_the_partly_checkpointed_activations():
+    result = plan("llama3-8b", Setup(gpus_per_node=8, micro_batch=2, seq_len=2048, checkpoint_every=2))
+    assert "activations kept, layer inputs, all of the others (every 2th layer checkpointed)" not in result.gpu_parts
+    assert "activations kept, every 2nd layer checkpointed, the others whole" in result.gpu_parts

@@ -1,0 +1,58 @@
+"""Decoder layers through torch.compile, in place: traced whole (no graph break), the same loss and
+gradients, the same parameter names (checkpoints and saves cannot tell), checkpointing kept.
+The Inductor backend itself runs in the recipe test (tests/recipes/test_llama3_8b_zero3.py)."""
+
+import pytest
+import torch
+
+from finetune_kit.models.compiled_layers import compile_layers
+
+
+def tiny_lm(path, checkpointing: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).train()
+    model.config.use_cache = False  # as the recipes train: no KV cache
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def step(model, inputs):
+    model.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["all-activations", "checkpointed"])
+def test_compiled_layers_train_the_same_under_the_same_names(tiny_llama3, checkpointing):
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # what Dynamo captured; runs it as traced
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    eager = tiny_lm(tiny_llama3, checkpointing)
+    loss, grads = step(eager, inputs)
+    model = tiny_lm(tiny_llama3, checkpointing)
+    names = list(model.state_dict())
+    assert compile_layers(model, backend=counting_backend) == model.config.num_hidden_layers
+    compiled_loss, compiled_grads = step(model, inputs)
+    assert len(graphs) == 1  # one graph per layer's code, shared by the layers: no break, no recompile
+    assert list(model.state_dict()) == names
+    torch.testing.assert_close(compiled_loss, loss)
+    for name in grads:
+        torch.testing.assert_close(compiled_grads[name], grads[name], msg=name)
+    torch._dynamo.reset()
+
+
+def test_off_compiles_nothing_and_a_model_without_decoder_layers_is_refused(tiny_llama3):
+    model = tiny_lm(tiny_llama3, checkpointing=False)
+    assert compile_layers(model, enabled=False) == 0
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    with pytest.raises(TypeError, match="Linear has no model.layers"):
+        compile_layers(torch.nn.Linear(2, 2))
