@@ -59,6 +59,9 @@ class RecipeArguments:
     loss_chunks: int = field(default=8, metadata={
         "help": "compute the LM loss this many token chunks at a time: one chunk's logits in memory instead of "
                 "the whole micro-batch's, for a second pass of the head (0: full logits)"})
+    loss_kernel: str = field(default="auto", metadata={
+        "help": "what computes the chunked loss: chunked (plain torch) or liger (Liger-Kernel's fused linear "
+                "cross-entropy; CUDA, liger-kernel installed); auto: liger where it can run"})
     data_cache: str = field(default="auto", metadata={
         "help": "folder of tokenised data kept between launches (auto: $FINETUNE_CACHE_DIR or ~/.cache/finetune_kit; "
                 "none: tokenise every launch)"})
@@ -147,7 +150,7 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False
-    models.use_chunked_loss(model, recipe.loss_chunks)  # the loss --loss_chunks pieces at a time: no full logits
+    models.use_chunked_loss(model, recipe.loss_chunks, recipe.loss_kernel)  # --loss_chunks pieces: no full logits
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
     trainer = run.trainer(model=model, train_dataset=train_set, data_collator=recorder, processing_class=tokenizer)

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
-    models.use_chunked_loss(model, args.loss_chunks)  # the loss --loss-chunks pieces at a time: no full logits
+    models.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
     if args.gradient_checkpointing:  # recompute every --checkpoint-every-th layer in the backward
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=args.checkpoint_every)

@@ -150,7 +150,7 @@ def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tin
         assert_matches_golden(got, GOLDEN, STEPS)
 
 
-LEVERS = {"whole-logits-loss": (("--loss-chunks", "0"), {"loss_chunks": 0}),
+LEVERS = {"whole-logits-loss": (("--loss-chunks", "0"), {"loss_chunks": 0, "loss_kernel": "none"}),
           "activations-offloaded": (("--offload-activations",), {"offload_activations": True}),
           "every-other-layer-checkpointed": (("--checkpoint-every", "2"), {"checkpoint_every": 2}),
           "compiled-layers-fsdp2": (("--compile",), {"compiled": True})}
@@ -170,7 +170,8 @@ def test_the_speed_and_memory_levers_train_the_same(lever, recipe_copy, tiny_lla
     assert_finished(proc, STEPS)
     assert_matches_golden(losses(output), FSDP_GOLDEN if fsdp2 else GOLDEN, STEPS)
     record = json.loads((output / "run_record.json").read_text())["training"]
-    default = {"loss_chunks": 8, "offload_activations": False, "checkpoint_every": 1, "compiled": False}
+    default = {"loss_chunks": 8, "loss_kernel": "chunked", "offload_activations": False, "checkpoint_every": 1,
+               "compiled": False}
     assert {key: record[key] for key in default} == {**default, **recorded}
 
 
@@ -568,6 +569,8 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("flex_attention_on_cpu", r"--attention flex_attention needs a CUDA GPU: PyTorch's FlexAttention has no backward"),
     ("compile_under_zero3", r"--compile under DeepSpeed ZeRO: its parameter hooks .* Compile with FSDP2 \(accelerate "
                             r"launch --config_file configs/fsdp2\.yaml\), or drop --compile\."),
+    ("liger_without_cuda", r"--loss-kernel liger: Liger-Kernel's fused loss is a Triton kernel for CUDA GPUs.* "
+                           r"pass --loss-kernel chunked"),
     ("checkpoint_every_zero", r"--checkpoint-every 0: activation checkpointing applies to every N-th decoder layer.* "
                               r"Pass --checkpoint-every 1"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
@@ -605,6 +608,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--attention"] = "flex_attention"
     elif case == "compile_under_zero3":
         args["--compile"] = True
+    elif case == "liger_without_cuda":
+        args["--loss-kernel"] = "liger"
     elif case == "checkpoint_every_zero":
         args["--checkpoint-every"] = "0"
     elif case == "deepspeed_typo":

@@ -71,6 +71,7 @@ class Training(_Strict):
     compiled: bool = False  # decoder layers through torch.compile
     packing: bool = False
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
+    loss_kernel: str = "none"  # what computed it: "chunked" (plain torch) | "liger" (fused, CUDA) | "none"
     offload_activations: bool = False  # tensors saved for backward kept in host memory
 
 

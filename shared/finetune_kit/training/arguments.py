@@ -59,6 +59,9 @@ def recipe_parser(description: str, *, model: str, output: str, max_seq_len: int
     p.add_argument("--loss-chunks", type=int, default=8,
                    help="compute the LM loss this many token chunks at a time: one chunk's logits in memory "
                         "instead of the whole micro-batch's, for a second pass of the head (0: full logits)")
+    p.add_argument("--loss-kernel", default="auto", choices=("auto", "chunked", "liger"),
+                   help="what computes the chunked loss: chunked (plain torch) or liger (Liger-Kernel's fused "
+                        "linear cross-entropy; CUDA, liger-kernel installed); auto: liger where it can run")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (FSDP2 launches): fused kernels, for a compilation "
                         "before the first step (models.compiled_layers)")

@@ -106,6 +106,7 @@ class RunBase:
         from accelerate.utils import gather_object
 
         from finetune_kit.metering import peak_memory
+        from finetune_kit.models import chunked_loss
         from finetune_kit.results import record
         from finetune_kit.training.partitions import rank_report
 
@@ -128,6 +129,8 @@ class RunBase:
                 predicted_gpu_GiB=checked.memory_plan.gpu_bytes / 2**30,
                 training={"method": checked.method, "seq_len": self.args.max_seq_len, **shape,
                           "loss_chunks": getattr(self.args, "loss_chunks", 0),
+                          "loss_kernel": chunked_loss.loss_kernel(getattr(self.args, "loss_kernel", "chunked"))
+                          if getattr(self.args, "loss_chunks", 0) else "none",
                           "offload_activations": bool(getattr(self.args, "offload_activations", False)),
                           **(training or {})})
             run_record.data = self.data_counts

@@ -79,6 +79,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     model_config, shape = _model(args.model, args.max_seq_len)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _attention(getattr(args, "attention", "auto"), "--attention")
+    _loss_kernel(getattr(args, "loss_kernel", "chunked"), "--loss-kernel")
     _compiler(getattr(args, "compile", False), "--compile")
     fsdp_launch = fsdp.read() if fsdp.launched() else None
     if getattr(args, "compile", False) and fsdp_launch is None:
@@ -134,6 +135,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
     _attention(getattr(recipe_args, "attention", "auto"), "--attention")
+    _loss_kernel(getattr(recipe_args, "loss_kernel", "chunked"), "--loss_kernel")
     _compiler(trainer_kwargs.get("torch_compile", False), "--torch_compile")
     identity = {"architecture": architecture(model_config, shape)}
 
@@ -229,6 +231,18 @@ def _checkpoint_every(every: int, flag: str) -> int:
                           f"number from 1 (every layer, the default). Pass {flag} 1, or 2 to keep every other "
                           "layer's activations.")
     return every
+
+
+def _loss_kernel(choice: str, flag: str) -> None:
+    from finetune_kit.models.chunked_loss import KERNELS, LIGER_TESTED, liger_available
+
+    if choice not in KERNELS:
+        raise ConfigError(f"{flag} {choice}: the loss kernel is one of {', '.join(KERNELS)}. Pass {flag} auto.")
+    if choice == "liger" and not liger_available():
+        raise ConfigError(f"{flag} liger: Liger-Kernel's fused loss is a Triton kernel for CUDA GPUs, and this "
+                          "machine has no CUDA GPU or no liger-kernel package. Install it on the GPU host (pip "
+                          f"install liger-kernel=={LIGER_TESTED}), or pass {flag} chunked (the same loss in plain "
+                          "torch).")
 
 
 def _compiler(enabled: bool, flag: str) -> None:

@@ -115,3 +115,60 @@ def test_the_planner_counts_one_chunks_logits():
     assert whole["loss"] == 12 * 128256 * 4 * 2048  # 11.7 GiB: the backward's three fp32 tensors of logits' size
     assert chunked["loss"] == whole["loss"] // 8
     assert activation_bytes(shape, 4, 2048, True, num_labels=2, loss_chunks=8)["loss"] == 12 * 2 * 4 * 2048
+
+
+def test_auto_picks_liger_only_with_cuda_and_the_package(monkeypatch):
+    from finetune_kit.models import chunked_loss
+
+    assert chunked_loss.loss_kernel("chunked") == "chunked"
+    monkeypatch.setattr(chunked_loss, "liger_available", lambda: False)
+    assert chunked_loss.loss_kernel("auto") == "chunked"
+    assert chunked_loss.loss_kernel("liger") == "liger"  # asked for: the preflight refuses it where it cannot run
+    monkeypatch.setattr(chunked_loss, "liger_available", lambda: True)
+    assert chunked_loss.loss_kernel("auto") == "liger"
+
+
+def test_the_liger_path_hands_the_kernel_the_heads_weight_and_flat_shifted_labels(tiny_llama3, monkeypatch):
+    """Liger's kernel needs CUDA; in its place, a reference with its signature (torch's matmul and
+    cross-entropy, the sum over labelled tokens). Same loss and gradients as transformers' loss,
+    and the kernel saw the head's own weight, flat hidden states and labels."""
+    import sys
+    import types
+
+    calls = []
+
+    def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean"):
+        calls.append((hidden.shape, weight, target.shape, ignore_index, reduction))
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = reference
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    inputs = batch(512)
+    plain = loss_and_grads(tiny_lm(tiny_llama3), inputs)
+    model = use_chunked_loss(tiny_lm(tiny_llama3), 8, kernel="liger")
+    fused = loss_and_grads(model, inputs)
+    assert_same(plain, fused)
+    (hidden_shape, weight, target_shape, ignore, reduction), *_ = calls
+    assert weight is model.lm_head.weight and reduction == "sum" and ignore == -100
+    assert hidden_shape == (3 * 40, model.config.hidden_size) and target_shape == (3 * 40,)
+
+
+def test_an_adapted_head_keeps_its_adapter_and_refuses_liger(tiny_llama3):
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        return get_peft_model(tiny_lm(tiny_llama3), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
+                                                               init_lora_weights=False))
+
+    inputs = batch(512)
+    plain, chunked = loss_and_grads(lora(), inputs), loss_and_grads(use_chunked_loss(lora(), 4), inputs)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=RTOL, atol=0)
+    assert sorted(chunked[1]) == sorted(plain[1]) and any("lm_head.lora_" in name for name in chunked[1])
+    for name, grad in plain[1].items():  # summed over chunks: measured 3.1e-7 of the tensor's largest entry apart
+        assert (chunked[1][name] - grad).abs().max() <= RTOL * grad.abs().max(), name
+    with pytest.raises(TypeError, match="not a plain Linear: Liger's fused loss reads the head's weight"):
+        use_chunked_loss(lora(), 4, kernel="liger")
