@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,9 +41,11 @@ from tests.harness import (
     free_port,
     launch_nodes,
     losses,
+    netns_unavailable,
     read_metrics,
     read_run_info,
     run_and_signal,
+    two_hosts,
 )
 
 pytestmark = pytest.mark.recipe
@@ -414,40 +413,6 @@ def test_run_time_handshake_names_a_missing_node():
 
 
 # ---- two hosts: the nodes in two network namespaces joined by a veth pair ----
-
-def netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs iproute2's 'ip' command"
-    probe = f"ft-probe-{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"'ip netns add' is not permitted here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-@contextmanager
-def two_hosts():
-    """Namespaces ns0 (10.203.0.1) and ns1 (10.203.0.2) on a veth pair; always deleted."""
-    tag = uuid.uuid4().hex[:6]
-    ns, dev = [f"ft70b-{tag}-{i}" for i in (0, 1)], [f"v{tag}{i}" for i in (0, 1)]  # interface names <= 15 chars
-    addrs = ["10.203.0.1", "10.203.0.2"]
-    try:
-        for name in ns:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run(["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]], check=True)
-        for name, iface, addr in zip(ns, dev, addrs, strict=True):
-            subprocess.run(["ip", "link", "set", iface, "netns", name], check=True)
-            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", iface], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield ns, dev, addrs
-    finally:
-        for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
 
 def test_two_hosts_in_network_namespaces_form_one_world(recipe_copy, tiny_llama3, tmp_path):
     reason = netns_unavailable()
