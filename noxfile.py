@@ -27,7 +27,8 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme", "test-llama2-13b-zero2",
-                        "test-llama3-70b-qlora", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
+                        "test-llama3-70b-qlora", "slurm", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse",
+                        "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -116,6 +117,15 @@ def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     files and resumes exactly. DeepSpeed's async_io op compiles at its first use in the shared
     environment (minutes, once); installs libaio if missing."""
     run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_zero3_nvme.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def slurm(session: nox.Session) -> None:
+    """A real Slurm cluster (Debian's slurmctld, slurmdbd on MariaDB and two slurmd nodes in network
+    namespaces; installed if missing) runs each recipe's slurm/train.sbatch unchanged: the 8B and 13B
+    jobs on one node, the 70B job across both, a preempted and a timed-out job requeued and resumed.
+    tests/slurm_cluster.py starts it, waits for both nodes to be idle and tears it down whatever happens."""
+    run_in_stack(session, "pytest", "tests/recipes/test_slurm.py", *session.posargs)
 
 
 @nox.session(name="live-metrics", venv_backend="none")
