@@ -319,22 +319,24 @@ def netns_unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts():
-    """Two network namespaces, the nodes of a two-host test (10.203.0.1 and 10.203.0.2) on a veth pair;
-    yields (namespaces, interfaces, addresses); always deleted."""
+def two_hosts(addrs: tuple[str, str] = ("10.203.0.1", "10.203.0.2"), interface: str | None = None):
+    """Two network namespaces, the nodes of a two-host test, on a veth pair with ``addrs``; with
+    ``interface``, each end is renamed to it (one name on both hosts, as a site's nodes share
+    ``eth0``). Yields (namespaces, interfaces, addresses); always deleted."""
     tag = uuid.uuid4().hex[:6]
-    ns, dev = [f"ft70b-{tag}-{i}" for i in (0, 1)], [f"v{tag}{i}" for i in (0, 1)]  # interface names <= 15 chars
-    addrs = ["10.203.0.1", "10.203.0.2"]
+    ns, dev = [f"fthost-{tag}-{i}" for i in (0, 1)], [f"v{tag}{i}" for i in (0, 1)]  # interface names <= 15 chars
     try:
         for name in ns:
             subprocess.run(["ip", "netns", "add", name], check=True)
         subprocess.run(["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]], check=True)
         for name, iface, addr in zip(ns, dev, addrs, strict=True):
             subprocess.run(["ip", "link", "set", iface, "netns", name], check=True)
-            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", iface], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", iface, "up"], check=True)
+            if interface:
+                subprocess.run(["ip", "-n", name, "link", "set", iface, "name", interface], check=True)
+            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", interface or iface], check=True)
+            subprocess.run(["ip", "-n", name, "link", "set", interface or iface, "up"], check=True)
             subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield ns, dev, addrs
+        yield ns, [interface] * 2 if interface else dev, list(addrs)
     finally:
         for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", name], capture_output=True)

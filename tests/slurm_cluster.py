@@ -26,11 +26,10 @@ import shutil
 import socket
 import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness import ensure_debian_packages, netns_unavailable
+from tests.harness import ensure_debian_packages, netns_unavailable, two_hosts
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurmdbd", "mariadb-server")
 ADDRESSES = ("10.205.0.1", "10.205.0.2")
@@ -167,23 +166,14 @@ def _cgroup_config() -> str:
 def slurm_cluster(root: Path, start_timeout: float = 60):
     """Start munged, slurmctld and both slurmd; yield a :class:`Cluster` once both nodes are idle;
     stop every daemon and delete the namespaces whatever happens."""
-    tag = uuid.uuid4().hex[:6]
-    namespaces = (f"ftslurm-{tag}-0", f"ftslurm-{tag}-1")
-    pair = (f"s{tag}0", f"s{tag}1")
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("state", "log", "munge", "dev", *(f"spool-{n}" for n in NODES)):
         (root / sub).mkdir(exist_ok=True)
     daemons: list[subprocess.Popen] = []
+    stack = contextlib.ExitStack()
+    namespaces = ()
     try:
-        for name in namespaces:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run(["ip", "link", "add", pair[0], "type", "veth", "peer", "name", pair[1]], check=True)
-        for name, iface, addr in zip(namespaces, pair, ADDRESSES, strict=True):
-            subprocess.run(["ip", "link", "set", iface, "netns", name], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", iface, "name", "eth0"], check=True)
-            subprocess.run(["ip", "-n", name, "addr", "add", f"{addr}/24", "dev", "eth0"], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", "eth0", "up"], check=True)
-            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        namespaces, _, _ = stack.enter_context(two_hosts(ADDRESSES, interface="eth0"))
         for i in range(8):  # placeholder GPU device files: /dev/null's device numbers
             os.mknod(root / f"dev/gpu{i}", 0o666 | 0o020000, os.makedev(1, 3))
         key = root / "munge/key"
@@ -242,6 +232,5 @@ def slurm_cluster(root: Path, start_timeout: float = 60):
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for name in namespaces:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        stack.close()
         shutil.rmtree(root / "dev", ignore_errors=True)
