@@ -31,7 +31,8 @@ from pathlib import Path
 
 from tests.harness import ensure_debian_packages, netns_unavailable, two_hosts
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurmdbd", "mariadb-server")
+PACKAGES = {"slurmctld": ("slurmctld", "slurmd", "slurm-client", "munge"), "slurmdbd": ("slurmdbd",),
+            "mariadbd": ("mariadb-server",)}  # a command each installs: its packages
 ADDRESSES = ("10.205.0.1", "10.205.0.2")
 NODES = ("node0", "node1")
 QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # the daemons write their own log files
@@ -42,7 +43,8 @@ def unavailable() -> str | None:
     reason = netns_unavailable()
     if reason:
         return reason
-    ensure_debian_packages(*PACKAGES, present="slurmctld")
+    for command, packages in PACKAGES.items():
+        ensure_debian_packages(*packages, present=command)
     return None
 
 
