@@ -85,7 +85,7 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # environment exists (after unit) while the recipes' sessions run; the image session then finds them in
 # podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme test-llama2-13b-zero2 \
-  test-llama3-70b-qlora slurm live-metrics gpu-check-cpu gpu-bundle wheelhouse image
+  test-llama3-70b-qlora slurm kubernetes live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	@failed=0; $(NOX) -s lint unit || failed=1; \

@@ -27,8 +27,8 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme", "test-llama2-13b-zero2",
-                        "test-llama3-70b-qlora", "slurm", "live-metrics", "gpu-check-cpu", "gpu-bundle", "wheelhouse",
-                        "image"]
+                        "test-llama3-70b-qlora", "slurm", "kubernetes", "live-metrics", "gpu-check-cpu", "gpu-bundle",
+                        "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -126,6 +126,14 @@ def slurm(session: nox.Session) -> None:
     jobs on one node, the 70B job across both, a preempted and a timed-out job requeued and resumed.
     tests/slurm_cluster.py starts it, waits for both nodes to be idle and tears it down whatever happens."""
     run_in_stack(session, "pytest", "tests/recipes/test_slurm.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def kubernetes(session: nox.Session) -> None:
+    """The recipes' Kubernetes manifests run as their pods would: each container command in network
+    namespaces as PID 1, with the variables Kubeflow Trainer and the training-operator inject; a
+    stopped pod checkpoints and its restart resumes. (The manifests' validation is in the unit tests.)"""
+    run_in_stack(session, "pytest", "tests/recipes/test_k8s_launch.py", *session.posargs)
 
 
 @nox.session(name="live-metrics", venv_backend="none")

@@ -177,6 +177,11 @@ def launch_nodes(cwd: Path, commands: list[list[str]], envs: list[dict | None], 
     when one outlives ``timeout``)."""
     procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=launch_env(extra)) for cmd, extra in zip(commands, envs, strict=True)]
+    return wait_all(procs, timeout)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Each process's output and exit status; all are killed when one outlives ``timeout``."""
     results = []
     for proc in procs:
         try:
