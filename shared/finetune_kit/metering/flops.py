@@ -42,18 +42,23 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def device_kind(device_name: str | None) -> str | None:
+    """The :data:`PEAK_BF16_TFLOPS` key of a ``torch.cuda.get_device_name()`` string (or a source's
+    "A100 80GB"); None for CPUs and unknown devices."""
+    name = (device_name or "").upper()
+    if "H200" in name:
+        return "H200"
+    if "H100" in name:
+        return "H100 PCIe" if "PCIE" in name else "H100 SXM"
+    if "A100" in name:
+        return "A100"
+    return None
+
+
 def peak_tflops(device_name: str | None) -> float | None:
     """Peak for a ``torch.cuda.get_device_name()`` string; None for CPUs and unknown devices."""
-    if not device_name:
-        return None
-    name = device_name.upper()
-    if "H200" in name:
-        return PEAK_BF16_TFLOPS["H200"]
-    if "H100" in name:
-        return PEAK_BF16_TFLOPS["H100 PCIe" if "PCIE" in name else "H100 SXM"]
-    if "A100" in name:
-        return PEAK_BF16_TFLOPS["A100"]
-    return None
+    kind = device_kind(device_name)
+    return PEAK_BF16_TFLOPS[kind] if kind else None
 
 
 @dataclass(frozen=True)
