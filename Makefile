@@ -142,8 +142,13 @@ gpu-bundle: $(NOX) ## wheels a GPU host with its own torch lacks (HAVE=host-free
 RECIPE ?= llama3-8b-zero3
 PLAN := PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.planning
 
-plan: ## will it fit? memory per GPU/node for the recipe's setups: RECIPE=llama3-8b-zero3
-	$(PLAN) --recipe recipes/$(RECIPE)
+# NODES is also the monitoring targets' host list (below): a number only when given on the command line.
+plan_nodes = $(if $(filter command line,$(origin NODES)),$(NODES),1)
+
+plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIPE=llama3-8b-zero3 [GPU= GPUS= NODES= NETWORK= TOKENS= DATA= MODEL= PRICE=]
+	$(PLAN) --recipe recipes/$(RECIPE) $(if $(GPU),--gpu $(GPU) --gpus-per-node $(or $(GPUS),8) --nodes $(plan_nodes) \
+	  $(if $(NETWORK),--network $(NETWORK)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(DATA),--data $(DATA) --model $(MODEL)) \
+	  $(if $(PRICE),--price $(PRICE)) --calibration results/speed-calibration.json)
 
 # The generated blocks of recipes/*/README.md (memory tables, DeepSpeed knobs), from the files they name.
 readmes: ## regenerate the recipe READMEs' generated tables (memory plan, DeepSpeed knobs)

@@ -5,6 +5,8 @@
     python -m finetune_kit.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
     python -m finetune_kit.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
     python -m finetune_kit.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
+    python -m finetune_kit.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
+        --tokens 2e8 --price 2.5 --calibration results/speed-calibration.json   # fit, speed, time and cost
 
 ``--model`` takes a config.json, a model folder, or a known architecture: see
 ``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning.memory``.
@@ -31,8 +33,10 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
+from finetune_kit.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
 from finetune_kit.planning.memory import Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
 from finetune_kit.planning.recipe_tables import gib, recipe_plans
+from finetune_kit.planning.speed import Cluster, Job, calibrated, job_for, predict
 from finetune_kit.tables import text_table
 
 
@@ -77,7 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     hw = p.add_argument_group("hardware")
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--gpus-per-node", type=int, default=8)
-    hw.add_argument("--gpu-memory-gib", dest="gpu_memory_GiB", type=float, default=80.0, help="per GPU")
+    hw.add_argument("--gpu-memory-gib", dest="gpu_memory_GiB", type=float, default=None,
+                    help="per GPU (default: the --gpu profile's, else 80)")
+    hw.add_argument("--gpu", help=f"GPU profile for the speed prediction: {', '.join(GPUS)}")
+    hw.add_argument("--network", help=f"between nodes, for the speed prediction: {', '.join(NETWORKS)}")
     hw.add_argument("--host-memory-gib", dest="host_memory_GiB", type=float, default=None,
                     help="host RAM per node (not checked if unset)")
     ds = p.add_argument_group("DeepSpeed (a JSON, or the flags; flags override the JSON)")
@@ -96,11 +103,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="the LM loss this many token chunks at a time, as the recipes' --loss-chunks (0: whole)")
     run.add_argument("--offload-activations", action="store_true",
                      help="tensors saved for backward in pinned host memory, as the recipes' --offload-activations")
+    run.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 4)")
     run.add_argument("--lora-rank", type=int, help="LoRA on a frozen bf16 base (with --qlora: nf4 base)")
     run.add_argument("--qlora", action="store_true", help="frozen nf4 base, double quantisation (rank 8 by default)")
     run.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
     run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
-    return p.parse_args(argv)
+    cost = p.add_argument_group("time and cost (with --gpu)")
+    cost.add_argument("--tokens", type=float, help="tokens to train on (an epoch of your data)")
+    cost.add_argument("--data", help="your data file: its tokens counted with --model's tokenizer (a model folder)")
+    cost.add_argument("--price", type=float, help="price of one GPU-hour")
+    cost.add_argument("--calibration", type=Path, help="results/speed-calibration.json (make plan passes it)")
+    args = p.parse_args(argv)
+    if args.gpu_memory_GiB is None:
+        args.gpu_memory_GiB = gpu_profile(args.gpu).memory_GiB if args.gpu else 80.0
+    return args
 
 
 def setup_from_args(args) -> Setup:
@@ -123,14 +139,76 @@ def setup_from_args(args) -> Setup:
     return replace(setup, **overrides)
 
 
+def render_speed(p: Plan, args) -> str:
+    """Tokens/s, time, GPU-hours and cost of the plan's setup on ``args.gpu``, and the cheapest change."""
+    s = p.setup
+    efficiency, source = calibrated(args.calibration)
+    network = network_profile(args.network) if args.network else None
+    cluster = Cluster(gpu_profile(args.gpu), s.gpus_per_node, s.nodes, network)
+    grad_accum = args.grad_accum or 4
+    job = job_for(p.model, p.setup, grad_accum)
+    pred = predict(job, cluster, efficiency)
+    low, high = pred.tokens_per_s_range(cluster.gpus)
+    rows = [["tokens/s per GPU", f"{pred.tokens_per_s(cluster.gpus):,.0f} (range {low:,.0f}-{high:,.0f})"],
+            ["tokens/s, all GPUs", f"{pred.tokens_per_s(cluster.gpus) * cluster.gpus:,.0f}"],
+            ["per optimizer step (s)", ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items())
+             + f"; dominant: {pred.dominant}"]]
+    tokens = args.tokens or (count_tokens(args) if args.data else None)
+    if tokens:
+        hours = tokens / (pred.tokens_per_s(cluster.gpus) * cluster.gpus) / 3600
+        rows.append([f"{tokens:,.0f} tokens", f"{hours:,.1f} h, {hours * cluster.gpus:,.0f} GPU-hours"
+                     + (f", {hours * cluster.gpus * args.price:,.0f} at {args.price:g} per GPU-hour"
+                        if args.price else "")])
+    rows.append(["cheapest change that helps", cheapest_change(job, cluster, efficiency, pred)])
+    where = f"{cluster.gpus} x {cluster.gpu.name}" + (f", {network.description}" if network else "")
+    return (f"speed on {where}, accumulation {grad_accum} (predicted; constants: {source}; the held-out error "
+            f"of the model is in results/README.md)\n" + text_table(["", "predicted"], rows))
+
+
+def cheapest_change(job: Job, cluster: Cluster, efficiency, pred) -> str:
+    """The first of: twice the accumulation, the fastest network, no optimizer offload, that gains 10%."""
+    base = pred.tokens_per_s(cluster.gpus)
+    tries = [(f"--grad-accum {job.grad_accum * 2}", replace(job, grad_accum=job.grad_accum * 2), cluster)]
+    if cluster.nodes > 1:
+        tries.append(("InfiniBand, one 400 Gb/s NIC per GPU (ib400)", job, replace(cluster, network=NETWORKS["ib400"])))
+    if job.offload_optimizer:
+        tries.append(("no optimizer offload, if the memory plan fits without it", replace(job, offload_optimizer=False),
+                      cluster))
+    for what, j, c in tries:
+        gain = predict(j, c, efficiency).tokens_per_s(c.gpus) / base
+        if gain >= 1.1:
+            return f"{what}: {gain:.2f}x tokens/s"
+    return f"none of accumulation, network or offload gains 10%: {pred.dominant}-bound"
+
+
+def count_tokens(args) -> int:
+    """Tokens of ``args.data`` as the recipes count them: each row through the model's chat template."""
+    from finetune_kit.data.instructions import load_rows, tokenize_rows
+    from finetune_kit.models.loading import load_tokenizer
+
+    if not args.model:
+        raise UserInputError("--data needs --model (a model folder with its tokenizer) to count the tokens; "
+                             "or pass --tokens.")
+    _, counts = tokenize_rows(load_rows(args.data), load_tokenizer(args.model), args.seq_len, cache="none")
+    return counts.tokens
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
+        entry, first = recipe_plans(args.recipe)[0]
+        s = replace(first.setup, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB)
+        p = plan(first.model, s)
+        print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
+        return 0
     if args.recipe:
         for entry, p in recipe_plans(args.recipe):
             print(f"== {entry.get('label', '')} ({entry['config']})\n{render_plan(p)}\n")
         return 0
     if not args.model:
         raise UserInputError("pass --model or --recipe; see --help.")
-    print(render_plan(plan(args.model, setup_from_args(args))))
+    p = plan(args.model, setup_from_args(args))
+    print(render_plan(p) + (f"\n\n{render_speed(p, args)}" if args.gpu else ""))
     return 0
 

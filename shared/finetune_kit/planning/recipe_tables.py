@@ -82,3 +82,40 @@ def logits_note(setup) -> str:
     if setup.loss_chunks and not setup.num_labels:
         return f" (the loss in {setup.loss_chunks} chunks of tokens, the recipe's default)"
     return ""
+
+
+def speed_table(recipe_dir: Path, calibration: Path) -> str:
+    """The markdown speed table of the recipe's ``speed`` setups (memory_plan.json): predicted
+    tokens/s, the dominant term and the time and GPU-hours per 100 M tokens, accumulation 4."""
+    from finetune_kit.planning.hardware import gpu_profile, network_profile
+    from finetune_kit.planning.speed import Cluster, calibrated, job_for, predict
+
+    spec = json.loads((recipe_dir / "memory_plan.json").read_text())
+    shape = resolve_model(spec["model"])
+    adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    efficiency, _ = calibrated(calibration)
+    rows = []
+    for entry in spec.get("speed", []):
+        fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
+        config = recipe_dir / entry["config"]
+        if config.suffix in (".yaml", ".yml"):
+            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        else:
+            setup = setup_from_deepspeed(json.loads(config.read_text()), adapter=adapter,
+                                         num_labels=spec.get("num_labels"), **fields)
+        network = network_profile(entry["network"]) if entry.get("network") else None
+        cluster = Cluster(gpu_profile(entry["gpu"]), setup.gpus_per_node, setup.nodes, network)
+        pred = predict(job_for(shape, setup, 4), cluster, efficiency)
+        low, high = pred.tokens_per_s_range(cluster.gpus)
+        per_gpu = pred.tokens_per_s(cluster.gpus)
+        hours = 1e8 / (per_gpu * cluster.gpus) / 3600
+        rows.append([entry["label"], f"`{entry['config']}`", f"{per_gpu:,.0f} ({low:,.0f}-{high:,.0f})",
+                     f"{per_gpu * cluster.gpus:,.0f}", pred.dominant, f"{hours:,.1f}", f"{hours * cluster.gpus:,.0f}"])
+    note = (f"Predicted by `make plan RECIPE={recipe_dir.name} GPU=... GPUS=... NODES=... NETWORK=...` at the "
+            "defaults above and accumulation 4: the speed model of `shared/finetune_kit/planning/speed.py` with the "
+            "constants `make results` fitted on every run of known speed (`results/speed-calibration.json`; its "
+            "held-out error per run is in `results/README.md`). The range: communication hidden behind compute, "
+            "or not at all. Add `TOKENS=` (or `DATA=` and `MODEL=`) and `PRICE=` for your run's time and cost.")
+    header = ["setup", "config", "tokens/s per GPU (range)", "tokens/s, all GPUs", "dominant term",
+              "hours per 100 M tokens", "GPU-hours per 100 M tokens"]
+    return note + "\n\n" + markdown_table(header, rows)

@@ -78,6 +78,14 @@ class Job:
         return counter.per_token(self.seq_len)
 
 
+def job_for(shape: ModelShape, setup, grad_accum: int = 4) -> Job:
+    """The :class:`Job` of a memory planner's ``Setup`` (:mod:`.memory`) at ``grad_accum``."""
+    return Job(shape, seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=grad_accum,
+               stage=setup.stage, engine=setup.engine, offload_optimizer=setup.offload_optimizer,
+               gradient_checkpointing=setup.gradient_checkpointing, adapter=setup.adapter,
+               num_labels=setup.num_labels)
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: Gpu
@@ -97,6 +105,18 @@ class Efficiency:
     compute: dict = field(default_factory=lambda: {"full": 0.35, "frozen-base": 0.30})
     step_s_per_param: dict = field(default_factory=lambda: {"full": 5e-11, "frozen-base": 5e-11})
     adam_params_per_s: float = 1.0e9
+
+
+def calibrated(path=None) -> tuple[Efficiency, str]:
+    """The constants ``make results`` fitted (``results/speed-calibration.json``, or ``path``) and
+    where they came from; the uncalibrated defaults without such a file."""
+    import json
+    from pathlib import Path
+
+    if path is None or not Path(path).is_file():
+        return Efficiency(), "uncalibrated defaults (no results/speed-calibration.json given)"
+    data = json.loads(Path(path).read_text())
+    return Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s"]), str(path)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.planning.recipe_tables import recipe_table
+from finetune_kit.planning.recipe_tables import recipe_table, speed_table
 from finetune_kit.tables import markdown_table
 
 NOTES = "recipes/deepspeed-knobs.json"
@@ -160,8 +160,16 @@ def deepspeed_knobs_block(recipe_dir: Path, source: str, root: Path) -> str:
     return knob_table(recipe_dir, match["config"], root / NOTES)
 
 
+def speed_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
+    if source != "memory_plan.json":
+        raise UserInputError(f"{recipe_dir / 'README.md'}: the speed-plan block is generated from memory_plan.json "
+                             f"but its marker says '{source}'; use\n{begin('speed-plan', 'memory_plan.json')}")
+    return speed_table(recipe_dir, root / "results/speed-calibration.json")
+
+
 BLOCKS: dict[str, Callable[[Path, str, Path], str]] = {
     "memory-plan": memory_plan_block,
+    "speed-plan": speed_plan_block,
     "deepspeed-knobs": deepspeed_knobs_block,
 }
 

@@ -332,7 +332,8 @@ def generate(results: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(page)
     plot(rows, out / "throughput.png")
-    return [out / "README.md", out / "throughput.png"]
+    (out / calibration.FILE).write_text(calibration.fitted_json(results))
+    return [out / "README.md", out / "throughput.png", out / calibration.FILE]
 
 
 def main(argv=None) -> int:

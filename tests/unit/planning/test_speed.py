@@ -3,6 +3,7 @@ known constants, and the held-out error on the runs in results/."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -116,3 +117,43 @@ def test_device_names_map_to_profiles():
     assert gpu_for_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
     assert gpu_for_device("H100 PCIe") is GPUS["h100-pcie"]
     assert gpu_for_device("A100 80GB") is GPUS["a100-80"] and gpu_for_device("cpu") is None
+
+
+def run_planner(*argv: str) -> str:
+    import contextlib
+    import io
+
+    from finetune_kit.planning.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(argv)) == 0
+    return out.getvalue()
+
+
+def test_the_planner_prints_fit_speed_time_and_cost_in_one_table():
+    calibration = str(REPO / "results/speed-calibration.json")
+    text = run_planner("--recipe", str(REPO / "recipes/llama3-70b-qlora"), "--gpu", "h100", "--gpus-per-node", "4",
+                       "--nodes", "2", "--network", "eth100", "--tokens", "5e7", "--price", "3",
+                       "--calibration", calibration)
+    assert "verdict: fits" in text and "speed on 8 x H100 SXM 80 GB, 100 Gb/s Ethernet per node" in text
+    speed = float(re.search(r"tokens/s, all GPUs +([\d,]+)", text).group(1).replace(",", ""))
+    hours = float(re.search(r"50,000,000 tokens +([\d,.]+) h", text).group(1).replace(",", ""))
+    assert hours == pytest.approx(5e7 / speed / 3600, rel=0.01)
+    cost = float(re.search(r"([\d,]+) at 3 per GPU-hour", text).group(1).replace(",", ""))
+    assert cost == pytest.approx(hours * 8 * 3, rel=0.01)
+    assert "dominant: inter-node" in text and "(ib400)" in text  # the network is the cheapest change
+    ib = run_planner("--recipe", str(REPO / "recipes/llama3-70b-qlora"), "--gpu", "h100", "--gpus-per-node", "4",
+                     "--nodes", "2", "--network", "ib400", "--calibration", calibration)
+    assert float(re.search(r"tokens/s, all GPUs +([\d,]+)", ib).group(1).replace(",", "")) > 5 * speed
+
+
+def test_the_planner_counts_the_tokens_of_a_data_file_as_the_recipes_do(tiny_llama3):
+    from finetune_kit.data.instructions import load_rows, tokenize_rows
+    from finetune_kit.models.loading import load_tokenizer
+    from tests.harness import SAMPLE
+
+    text = run_planner("--model", str(tiny_llama3), "--gpu", "h100", "--gpus-per-node", "1", "--seq-len", "128",
+                       "--data", str(SAMPLE))
+    _, counts = tokenize_rows(load_rows(str(SAMPLE)), load_tokenizer(str(tiny_llama3)), 128, cache="none")
+    assert f"{counts.tokens:,} tokens" in text and "uncalibrated defaults" in text

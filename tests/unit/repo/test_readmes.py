@@ -28,7 +28,7 @@ def test_every_recipe_readme_has_both_generated_blocks(recipe):
     assert (recipe / "memory_plan.json").is_file()
     assert readmes.begin("memory-plan", "memory_plan.json") in text and readmes.end("memory-plan") in text
     found = [m["name"] for m in readmes.BEGIN_RE.finditer(text)]
-    assert sorted(found) == ["deepspeed-knobs", "memory-plan"]
+    assert sorted(found) == ["deepspeed-knobs", "memory-plan", "speed-plan"]
 
 
 def test_every_note_explains_a_key_some_recipe_config_has():
