@@ -85,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="per GPU (default: the --gpu profile's, else 80)")
     hw.add_argument("--gpu", help=f"GPU profile for the speed prediction: {', '.join(GPUS)}")
     hw.add_argument("--network", help=f"between nodes, for the speed prediction: {', '.join(NETWORKS)}")
+    hw.add_argument("--peak-tflops", type=float, help="override the --gpu profile's dense bf16 peak")
+    hw.add_argument("--intra-node-gbps", type=float, help="override its one-way GB/s per GPU inside a node")
+    hw.add_argument("--host-link-gbps", type=float, help="override its one-way GB/s per GPU to host memory")
+    hw.add_argument("--network-gbps", type=float, help="override the --network profile's one-way GB/s per node")
     hw.add_argument("--host-memory-gib", dest="host_memory_GiB", type=float, default=None,
                     help="host RAM per node (not checked if unset)")
     ds = p.add_argument_group("DeepSpeed (a JSON, or the flags; flags override the JSON)")
@@ -144,12 +148,20 @@ def render_speed(p: Plan, args) -> str:
     s = p.setup
     efficiency, source = calibrated(args.calibration)
     network = network_profile(args.network) if args.network else None
-    cluster = Cluster(gpu_profile(args.gpu), s.gpus_per_node, s.nodes, network)
+    if network and args.network_gbps:
+        network = replace(network, per_node_GBps=args.network_gbps, description=f"{args.network_gbps:g} GB/s per node")
+    gpu = gpu_profile(args.gpu)
+    overrides = {"peak_bf16_tflops": args.peak_tflops, "intra_node_GBps": args.intra_node_gbps,
+                 "host_link_GBps": args.host_link_gbps}
+    gpu = replace(gpu, **{k: v for k, v in overrides.items() if v})
+    cluster = Cluster(gpu, s.gpus_per_node, s.nodes, network)
     grad_accum = args.grad_accum or 4
     job = job_for(p.model, p.setup, grad_accum)
     pred = predict(job, cluster, efficiency)
     low, high = pred.tokens_per_s_range(cluster.gpus)
-    rows = [["tokens/s per GPU", f"{pred.tokens_per_s(cluster.gpus):,.0f} (range {low:,.0f}-{high:,.0f})"],
+    rows = [["memory per GPU", f"{gib(p.gpu_bytes)} of {s.gpu_memory_GiB:g} GiB: "
+                                 + ("fits" if p.fits is not False else "does not fit (see above)")],
+            ["tokens/s per GPU", f"{pred.tokens_per_s(cluster.gpus):,.0f} (range {low:,.0f}-{high:,.0f})"],
             ["tokens/s, all GPUs", f"{pred.tokens_per_s(cluster.gpus) * cluster.gpus:,.0f}"],
             ["per optimizer step (s)", ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items())
              + f"; dominant: {pred.dominant}"]]

@@ -3,7 +3,8 @@
 Every figure is a datasheet number (dense bf16 tensor-core peak, link rates); what a collective
 achieves of a link is one stated fraction, :data:`LINK_EFFICIENCY`, the same for every link. A
 profile is a plain dataclass: ``dataclasses.replace(GPUS["h100"], intra_node_GBps=300)`` overrides
-a field (the planner's ``--intra-node-GBps`` and friends do that from the command line).
+a field; the planner's ``--peak-tflops``, ``--intra-node-gbps``, ``--host-link-gbps`` and
+``--network-gbps`` do that from the command line.
 """
 
 from __future__ import annotations

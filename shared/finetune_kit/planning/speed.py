@@ -100,11 +100,21 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fitted constants: the compute share of the bf16 peak per method, CPU Adam's rate per node."""
+    """Fitted constants: the compute share of the bf16 peak per method (and per method on a GPU
+    family, "full on A100", where runs of that family were fitted), the time per trained parameter
+    per optimizer step per method, CPU Adam's rate per node."""
 
     compute: dict = field(default_factory=lambda: {"full": 0.35, "frozen-base": 0.30})
     step_s_per_param: dict = field(default_factory=lambda: {"full": 5e-11, "frozen-base": 5e-11})
     adam_params_per_s: float = 1.0e9
+
+    def compute_for(self, method: str, gpu: Gpu) -> float:
+        return self.compute.get(f"{method} on {family(gpu)}", self.compute[method])
+
+
+def family(gpu: Gpu) -> str:
+    """"A100", "H100", "H200": the GPU generation a compute efficiency is fitted per."""
+    return gpu.name.split()[0]
 
 
 def calibrated(path=None) -> tuple[Efficiency, str]:
@@ -122,10 +132,15 @@ def calibrated(path=None) -> tuple[Efficiency, str]:
 @dataclass(frozen=True)
 class Prediction:
     tokens_per_step: int  # all GPUs
-    compute_s: float  # the micro-batches' forward and backward, and the optimizer step
+    matmul_s: float  # the micro-batches' forward and backward (and the forward again when checkpointing)
+    optimizer_s: float  # the optimizer step's time per trained parameter (on the GPU; offloaded: offload_s)
     intra_node_s: float
     inter_node_s: float
     offload_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.optimizer_s
 
     @property
     def communication_s(self) -> float:
@@ -186,10 +201,10 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
     gpus = cluster.gpus
     tokens = job.micro_batch * job.seq_len * job.grad_accum * gpus
     recompute = 1 + (1 / 3 if job.adapter is None else 1 / 2) * job.gradient_checkpointing  # the forward again
-    compute = tokens / gpus * job.flops_per_token() * recompute / (cluster.gpu.peak_bf16_tflops * 1e12
-                                                                   * eff.compute[job.method])
+    matmul = tokens / gpus * job.flops_per_token() * recompute / (cluster.gpu.peak_bf16_tflops * 1e12
+                                                                  * eff.compute_for(job.method, cluster.gpu))
     shard = job.trainable() / (gpus if job.stage >= 1 else 1)
-    compute += shard * eff.step_s_per_param[job.method] * (not job.offload_optimizer)
+    optimizer = shard * eff.step_s_per_param[job.method] * (not job.offload_optimizer)
     sent = bytes_per_step(job, gpus)
     intra_rate = cluster.gpu.intra_node_GBps * 1e9 * LINK_EFFICIENCY
     intra = inter = 0.0
@@ -210,7 +225,7 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
         trainable = job.trainable()
         pcie = 2 * trainable * BF16 / gpus / (cluster.gpu.host_link_GBps * 1e9 * LINK_EFFICIENCY)
         offload = pcie + trainable / cluster.nodes / eff.adam_params_per_s
-    return Prediction(tokens, compute, intra, inter, offload)
+    return Prediction(tokens, matmul, optimizer, intra, inter, offload)
 
 
 # ---- fitting the efficiencies on runs with a known speed ----
@@ -252,6 +267,29 @@ def fit_efficiency(observations: list[Observation], start: Efficiency | None = N
                 compute[method], per_param[method] = 1 / inverse, max(0.0, float(seconds))
         elif len(rows) == 1:
             compute[method] = rows[0][0] / max(targets[0] - rows[0][1] * per_param[method], 1e-6)
+    for method in list(compute):  # per GPU family with runs of its own: a share each, one per-step time
+        runs = [o for o in observations if o.job.method == method and not o.job.offload_optimizer]
+        sizes: dict[str, int] = {}
+        for o in runs:
+            sizes[family(o.cluster.gpu)] = sizes.get(family(o.cluster.gpu), 0) + 1
+        own = sorted(name for name, n in sizes.items() if n >= 2)
+        if len(sizes) < 2 or not own:
+            continue
+        columns = own + ["others"] * (len(own) < len(sizes))
+        rows, targets = [], []
+        for o in runs:
+            unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, {method: 0.0}, eff.adam_params_per_s))
+            step = unit.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
+            shard = o.job.trainable() / (o.cluster.gpus if o.job.stage >= 1 else 1)
+            name = family(o.cluster.gpu) if family(o.cluster.gpu) in own else "others"
+            rows.append([unit.matmul_s / step * (c == name) for c in columns] + [shard / step])
+            targets.append((step - unit.communication_s / 2) / step)
+        *inverses, seconds = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
+        if all(v > 0 for v in inverses):
+            per_param[method] = max(0.0, float(seconds))
+            for name, inverse in zip(columns, inverses, strict=True):
+                if name != "others":
+                    compute[f"{method} on {name}"] = 1 / float(inverse)
     eff = Efficiency(compute, per_param, eff.adam_params_per_s)
     rates = []
     for o in observations:

@@ -157,3 +157,17 @@ def test_the_planner_counts_the_tokens_of_a_data_file_as_the_recipes_do(tiny_lla
                        "--data", str(SAMPLE))
     _, counts = tokenize_rows(load_rows(str(SAMPLE)), load_tokenizer(str(tiny_llama3)), 128, cache="none")
     assert f"{counts.tokens:,} tokens" in text and "uncalibrated defaults" in text
+
+
+def test_a_gpu_family_with_runs_of_its_own_gets_its_own_compute_share():
+    """Runs on A100s at 20% and on H100s at 45% of their peaks: each family's share is recovered, and a
+    family without runs falls back to the method's."""
+    truth = Efficiency({"full": 0.3, "frozen-base": 0.3, "full on A100": 0.20, "full on H100": 0.45},
+                       {"full": 3e-11, "frozen-base": 3e-11})
+    runs = [Observation(f"{g}-{ga}", Job(LLAMA3_8B.truncated(8), seq_len=4096, micro_batch=2, grad_accum=ga),
+                        Cluster(GPUS[g], 1, 1), 0.0) for g in ("a100-80", "h100") for ga in (1, 4, 8)]
+    runs = [replace(o, tokens_per_s_per_gpu=predict(o.job, o.cluster, truth).tokens_per_s(1)) for o in runs]
+    fitted = fit_efficiency(runs)
+    assert fitted.compute["full on A100"] == pytest.approx(0.20, rel=0.05)
+    assert fitted.compute["full on H100"] == pytest.approx(0.45, rel=0.05)
+    assert fitted.compute_for("full", GPUS["h200"]) == fitted.compute["full"]
