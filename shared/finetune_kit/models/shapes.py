@@ -44,8 +44,13 @@ KNOWN_MODELS: dict[str, dict] = {
     "llama3-8b": {"_name_or_path": "meta-llama/Meta-Llama-3-8B", **_LLAMA3_8B},
     "llama3.1-8b": {"_name_or_path": "meta-llama/Llama-3.1-8B", **_LLAMA3_8B, "max_position_embeddings": 131072},
     "llama3-70b": {"_name_or_path": "meta-llama/Meta-Llama-3-70B", **_LLAMA3_70B},
+    # Llama 3.2 3B (torchtune's speed-lever table): the head tied to the embedding
+    "llama3.2-3b": {"_name_or_path": "meta-llama/Llama-3.2-3B", **_LLAMA3_8B, **_heads(3072, 8192, 28, 24, 8),
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True},
     "llama3.3-70b": {"_name_or_path": "meta-llama/Llama-3.3-70B-Instruct", **_LLAMA3_70B,
                      "max_position_embeddings": 131072},
+    # the same shape as 3.3: a shape is named after the first match, so this one comes after it
+    "llama3.1-70b": {"_name_or_path": "meta-llama/Llama-3.1-70B", **_LLAMA3_70B, "max_position_embeddings": 131072},
     # MosaicML MPT-7B (llm-foundry's benchmark model): GELU MLP x4, tied embeddings, no biases.
     # "mlp" is not an HF config field: it marks the two-matrix MLP for the counts below.
     "mpt-7b": {"_name_or_path": "mosaicml/mpt-7b", **_heads(4096, 16384, 32, 32), "vocab_size": 50432,
@@ -54,7 +59,7 @@ KNOWN_MODELS: dict[str, dict] = {
 _BY_HUB_ID = {cfg["_name_or_path"].lower(): name for name, cfg in KNOWN_MODELS.items()}
 _BY_HUB_ID.update({"meta-llama/llama-3.1-8b-instruct": "llama3.1-8b", "meta-llama/meta-llama-3-8b-instruct":
                    "llama3-8b", "meta-llama/meta-llama-3-70b-instruct": "llama3-70b",
-                   "meta-llama/llama-3.1-70b": "llama3.3-70b", "meta-llama/llama-2-13b-chat-hf": "llama2-13b"})
+                   "meta-llama/llama-2-13b-chat-hf": "llama2-13b"})
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
   node the link is the GPU's NVLink/PCIe; across nodes the ring crosses the network, whose per-node
   rate is shared by the node's GPUs. Links reach :data:`~.hardware.LINK_EFFICIENCY` of their rate.
 * **the optimizer step**: a fixed time per optimizer step for each trainable parameter a GPU
-  updates (its shard under ZeRO; the Adam update, the engine's per-step bookkeeping), fitted:
-  ``step_s_per_param``. It is why gradient accumulation speeds a step up (measured on one H100:
-  1.5x from 1 to 4 micro-batches per step on the 8B shape).
+  updates (its shard under ZeRO; the Adam update, the engine's per-step bookkeeping), fitted per
+  engine (DeepSpeed, or PyTorch's own optimizer under FSDP2 or on one device): ``step_s_per_param``.
+  It is why gradient accumulation speeds a step up (measured on one H100: 1.5x from 1 to 4
+  micro-batches per step on the 8B shape).
 * **CPU offload** (ZeRO's ``offload_optimizer``): each GPU's share of the gradients to host memory
   and of the updated weights back over PCIe, then DeepSpeed's CPU Adam over the node's share of the
-  trainable parameters at ``adam_params_per_s`` per node (fitted on the measured offload runs).
+  trainable parameters at ``adam_params_per_s`` per node (fitted on the offloaded runs).
 
 Overlap is an assumption, stated as a range: the fast end hides the communication behind the
 compute (step = max(compute, communication) + offload), the slow end does not (their sum); the
@@ -55,7 +56,7 @@ class Job:
     micro_batch: int = 1
     grad_accum: int = 1
     stage: int = 3  # ZeRO stage; 3 for FSDP2's full sharding
-    engine: str = "deepspeed"  # "deepspeed" | "fsdp2"
+    engine: str = "deepspeed"  # "deepspeed" | "fsdp2" | "torch" (one device, PyTorch's optimizer)
     offload_optimizer: bool = False
     gradient_checkpointing: bool = True
     adapter: Adapter | None = None  # LoRA/QLoRA: a frozen base (quantized: nf4)
@@ -105,7 +106,7 @@ class Efficiency:
     per optimizer step per method, CPU Adam's rate per node."""
 
     compute: dict = field(default_factory=lambda: {"full": 0.35, "frozen-base": 0.30})
-    step_s_per_param: dict = field(default_factory=lambda: {"full": 5e-11, "frozen-base": 5e-11})
+    step_s_per_param: dict = field(default_factory=lambda: {"deepspeed": 5e-11, "torch": 1e-11})
     adam_params_per_s: float = 1.0e9
 
     def compute_for(self, method: str, gpu: Gpu) -> float:
@@ -175,6 +176,11 @@ class Prediction:
         return max(self.terms, key=self.terms.get)
 
 
+def optimizer_kind(job: Job) -> str:
+    """Whose optimizer step: DeepSpeed's, or PyTorch's (FSDP2, one device)."""
+    return "deepspeed" if job.engine == "deepspeed" else "torch"
+
+
 def _ring(bytes_: float, ranks: int) -> float:
     """Bytes each rank sends in an all-gather or reduce-scatter of ``bytes_`` over ``ranks``."""
     return (ranks - 1) / ranks * bytes_ if ranks > 1 else 0.0
@@ -204,7 +210,7 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
     matmul = tokens / gpus * job.flops_per_token() * recompute / (cluster.gpu.peak_bf16_tflops * 1e12
                                                                   * eff.compute_for(job.method, cluster.gpu))
     shard = job.trainable() / (gpus if job.stage >= 1 else 1)
-    optimizer = shard * eff.step_s_per_param[job.method] * (not job.offload_optimizer)
+    optimizer = shard * eff.step_s_per_param[optimizer_kind(job)] * (not job.offload_optimizer)
     sent = bytes_per_step(job, gpus)
     intra_rate = cluster.gpu.intra_node_GBps * 1e9 * LINK_EFFICIENCY
     intra = inter = 0.0
@@ -239,57 +245,55 @@ class Observation:
     cluster: Cluster
     tokens_per_s_per_gpu: float
     source: str = "published"  # "published" | "measured"
+    fitted: bool = True  # False: predicted and compared, kept out of every fit (a source too vague to fit on)
 
 
 def fit_efficiency(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
-    """Per method, the compute efficiency and the per-parameter step time that fit the observations
-    best in relative terms (weighted least squares on the step time, the communication and offload
-    terms held at the model's values, overlap at the point estimate); then CPU Adam's rate from the
-    offloaded observations (their step time left after compute and PCIe)."""
+    observations = [o for o in observations if o.fitted]
+    return _fit(observations, start)
+
+
+def _fit(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
+    """Weighted least squares on each run's step time (relative errors), the communication and
+    offload terms held at the model's values and overlap at the point estimate: per method, one
+    compute share per GPU family with two or more runs (the others share the method's) and one
+    per-parameter step time per optimizer kind; then CPU Adam's rate from the offloaded runs."""
     import numpy as np
 
     eff = start or Efficiency()
     compute, per_param = dict(eff.compute), dict(eff.step_s_per_param)
-    for method in compute:
-        rows, targets = [], []
-        for o in observations:
-            if o.job.method != method or o.job.offload_optimizer:
-                continue
-            unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, {method: 0.0}, eff.adam_params_per_s))
-            step = unit.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
-            shard = o.job.trainable() / (o.cluster.gpus if o.job.stage >= 1 else 1)
-            # compute-bound rows: step = compute + communication / 2 (the point estimate's overlap)
-            rows.append([unit.compute_s / step, shard / step])
-            targets.append((step - unit.communication_s / 2) / step)
-        if len(rows) >= 2:
-            (inverse, seconds), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
-            if inverse > 0:
-                compute[method], per_param[method] = 1 / inverse, max(0.0, float(seconds))
-        elif len(rows) == 1:
-            compute[method] = rows[0][0] / max(targets[0] - rows[0][1] * per_param[method], 1e-6)
-    for method in list(compute):  # per GPU family with runs of its own: a share each, one per-step time
-        runs = [o for o in observations if o.job.method == method and not o.job.offload_optimizer]
+    runs = [o for o in observations if not o.job.offload_optimizer]
+    kinds = sorted({optimizer_kind(o.job) for o in runs})
+    columns_per_param, rows, targets, groups = [(k, None) for k in kinds], [], [], []
+    for method in sorted(compute):
+        mine = [o for o in runs if o.job.method == method]
         sizes: dict[str, int] = {}
-        for o in runs:
+        for o in mine:
             sizes[family(o.cluster.gpu)] = sizes.get(family(o.cluster.gpu), 0) + 1
-        own = sorted(name for name, n in sizes.items() if n >= 2)
-        if len(sizes) < 2 or not own:
-            continue
-        columns = own + ["others"] * (len(own) < len(sizes))
-        rows, targets = [], []
-        for o in runs:
-            unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, {method: 0.0}, eff.adam_params_per_s))
+        own = [f for f, n in sorted(sizes.items()) if n >= 2] if len(sizes) > 1 else []
+        groups += [(method, f) for f in own] + [(method, None)] * bool(set(sizes) - set(own))  # None: the rest
+        for o in mine:
+            unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, dict.fromkeys(kinds, 0.0),
+                                                        eff.adam_params_per_s))
             step = unit.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
             shard = o.job.trainable() / (o.cluster.gpus if o.job.stage >= 1 else 1)
-            name = family(o.cluster.gpu) if family(o.cluster.gpu) in own else "others"
-            rows.append([unit.matmul_s / step * (c == name) for c in columns] + [shard / step])
+            group = (method, family(o.cluster.gpu) if family(o.cluster.gpu) in own else None)
+            rows.append((group, unit.matmul_s / step, optimizer_kind(o.job), shard / step))
             targets.append((step - unit.communication_s / 2) / step)
-        *inverses, seconds = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
-        if all(v > 0 for v in inverses):
-            per_param[method] = max(0.0, float(seconds))
-            for name, inverse in zip(columns, inverses, strict=True):
-                if name != "others":
-                    compute[f"{method} on {name}"] = 1 / float(inverse)
+    if rows:
+        matrix = [[x * (g == group) for group in groups] + [y * (k == kind) for kind, _ in columns_per_param]
+                  for g, x, k, y in rows]
+        solution = np.linalg.lstsq(np.array(matrix), np.array(targets), rcond=None)[0]
+        inverses, seconds = solution[:len(groups)], solution[len(groups):]
+        for (method, fam), inverse in zip(groups, inverses, strict=True):
+            if inverse > 1:  # a share of the peak above 1 is no fit: keep the previous value
+                compute[method if fam is None else f"{method} on {fam}"] = 1 / float(inverse)
+        for (kind, _), value in zip(columns_per_param, seconds, strict=True):
+            per_param[kind] = max(0.0, float(value))
+        for method in compute.copy():  # a method fitted per family only: its fallback is their mean
+            families = [v for k, v in compute.items() if k.startswith(f"{method} on ")]
+            if families and (method, None) not in groups and " on " not in method:
+                compute[method] = math.exp(sum(map(math.log, families)) / len(families))
     eff = Efficiency(compute, per_param, eff.adam_params_per_s)
     rates = []
     for o in observations:
@@ -307,7 +311,7 @@ def fit_efficiency(observations: list[Observation], start: Efficiency | None = N
 
 
 def held_out_errors(observations: list[Observation]) -> dict[str, float]:
-    """Each observation predicted by the efficiencies fitted on all the others: the relative error
+    """Each observation predicted by the efficiencies fitted on all the other fitted ones: the relative error
     (predicted / observed - 1) per observation name."""
     out = {}
     for i, obs in enumerate(observations):
