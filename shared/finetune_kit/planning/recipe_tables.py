@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.models.shapes import Adapter, resolve_model
-from finetune_kit.planning.memory import GiB, Plan, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
+from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
 from finetune_kit.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
@@ -19,7 +19,9 @@ def gib(value: int) -> str:
 
 
 
-def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
+def recipe_setups(recipe_dir: Path, key: str = "setups") -> tuple[ModelShape, list[tuple[dict, Setup]]]:
+    """The model shape of the recipe's memory_plan.json and each entry of its ``key`` list
+    ("setups": the memory table's; "speed": the speed table's) with the Setup it describes."""
     path = recipe_dir / "memory_plan.json"
     if not path.is_file():
         raise UserInputError(f"{path} does not exist: a recipe lists its memory setups there (see "
@@ -29,9 +31,8 @@ def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
     model = spec["model"]
     if not any(model.startswith(p) for p in ("/", ".")) and (recipe_dir / model).exists():
         model = str(recipe_dir / model)
-    shape = resolve_model(model)
     out = []
-    for entry in spec["setups"]:
+    for entry in spec.get(key, []):
         fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
         config = recipe_dir / entry["config"]
         if config.suffix in (".yaml", ".yml"):  # an accelerate FSDP launch config
@@ -39,8 +40,13 @@ def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
         else:
             ds = json.loads(config.read_text())
             setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
-        out.append((entry, plan(shape, setup)))
-    return out
+        out.append((entry, setup))
+    return resolve_model(model), out
+
+
+def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
+    shape, setups = recipe_setups(recipe_dir)
+    return [(entry, plan(shape, setup)) for entry, setup in setups]
 
 
 def recipe_table(recipe_dir: Path) -> str:
@@ -90,19 +96,10 @@ def speed_table(recipe_dir: Path, calibration: Path) -> str:
     from finetune_kit.planning.hardware import gpu_profile, network_profile
     from finetune_kit.planning.speed import Cluster, calibrated, job_for, predict
 
-    spec = json.loads((recipe_dir / "memory_plan.json").read_text())
-    shape = resolve_model(spec["model"])
-    adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    shape, setups = recipe_setups(recipe_dir, "speed")
     efficiency, _ = calibrated(calibration)
     rows = []
-    for entry in spec.get("speed", []):
-        fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
-        config = recipe_dir / entry["config"]
-        if config.suffix in (".yaml", ".yml"):
-            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
-        else:
-            setup = setup_from_deepspeed(json.loads(config.read_text()), adapter=adapter,
-                                         num_labels=spec.get("num_labels"), **fields)
+    for entry, setup in setups:
         network = network_profile(entry["network"]) if entry.get("network") else None
         cluster = Cluster(gpu_profile(entry["gpu"]), setup.gpus_per_node, setup.nodes, network)
         pred = predict(job_for(shape, setup, 4), cluster, efficiency)
