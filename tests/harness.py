@@ -46,12 +46,28 @@ THREADS_PER_RANK = "1"
 
 
 def launch_env(extra: dict | None = None) -> dict:
-    """The test's environment plus a DeepSpeed op cache of this interpreter's own and
+    """The test's environment plus a DeepSpeed op cache of this interpreter's own, an Inductor
+    cache of this interpreter's and CPU capability's own (:func:`inductor_cache`) and
     :data:`THREADS_PER_RANK`. DeepSpeed JIT-builds its CPU ops into a cache keyed by op name
     only: venvs sharing one rebuild each other's builds (a minute each)."""
     cache = Path.home() / ".cache/torch_extensions" / f"venv-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]}"
     return {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache)),
+            "TORCHINDUCTOR_CACHE_DIR": inductor_cache(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", THREADS_PER_RANK), **(extra or {})}
+
+
+def inductor_cache() -> str:
+    """A ``torch.compile`` (Inductor) cache folder for this interpreter and the CPU capability ATen
+    runs with (``ATEN_CPU_CAPABILITY`` lowers it). Inductor's graph cache key leaves that capability
+    out, while its C++ kernels are built for it: measured with torch 2.13, a compiled FSDP2 run
+    whose cache was filled under AVX512 dies of heap corruption (SIGSEGV, SIGABRT "corrupted size
+    vs. prev_size") under ``ATEN_CPU_CAPABILITY=avx2``, and the same run passes with a cold cache.
+    Always this folder: importing Inductor in the test process writes its own default into
+    ``os.environ``, so an inherited value cannot tell a user's choice from that default."""
+    import torch
+
+    key = f"{sys.prefix}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    return str(Path(tempfile.gettempdir()) / f"torchinductor-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
 
 
 def ensure_debian_packages(*packages: str, present: Path | str) -> None:
