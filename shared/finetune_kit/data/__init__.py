@@ -3,16 +3,15 @@ templates (:mod:`.templates`) and tokenised (:mod:`.instructions`), batched padd
 (:mod:`.batching`); review CSVs (:mod:`.reviews`); the shipped samples (``samples/``). The
 names a recipe needs are importable from here."""
 
-from finetune_kit.data.batching import PackedCollator, PadCollator, RowRecorder, pack
-from finetune_kit.data.instructions import (
-    IGNORE_INDEX,
-    SAMPLE_INSTRUCTIONS,
-    DataCounts,
-    holdout_split,
-    load_rows,
-    tokenize_conversation,
-    tokenize_rows,
-)
+from importlib import import_module
 
-__all__ = ["IGNORE_INDEX", "SAMPLE_INSTRUCTIONS", "DataCounts", "PackedCollator", "PadCollator", "RowRecorder",
-           "holdout_split", "load_rows", "pack", "tokenize_conversation", "tokenize_rows"]
+_LAZY = {**dict.fromkeys(("PackedCollator", "PadCollator", "RowRecorder", "pack"), "finetune_kit.data.batching"),
+         **dict.fromkeys(("IGNORE_INDEX", "SAMPLE_INSTRUCTIONS", "DataCounts", "holdout_split", "load_rows",
+                          "tokenize_conversation", "tokenize_rows"), "finetune_kit.data.instructions")}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):  # lazy: the run record reads DataCounts where torch is not installed (make results)
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'finetune_kit.data' has no attribute {name!r}")
