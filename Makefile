@@ -49,10 +49,12 @@ in_container = $(if $(CONTAINER),mkdir -p "$(abspath $(4))" "$(HF_CACHE)" && $(C
   -v "$(abspath $(4)):$(abspath $(4))" $(CONTAINER_FLAGS) $(1):$(IMAGE_TAG))
 # Outside a container: from the recipe folder (the image starts there).
 in_recipe = $(if $(CONTAINER),,cd $(1) &&)
-# The host needs the GPUs and the stack only when the recipe runs on it.
+# The host needs the GPUs and the stack only when the recipe runs on it. CPU=1 runs the recipe's command on this
+# machine's CPUs instead (gloo, bf16 on CPU: minutes for a tiny model such as build/tiny-llama3, what the tests do).
+CPU ?=
 define need_gpus
-$(if $(CONTAINER),@true,@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
-  echo "make $(1) needs NVIDIA GPUs and the pinned stack; none found here (or set CONTAINER=docker to run it in its image)."; \
+$(if $(or $(CONTAINER),$(CPU)),@true,@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || { \
+  echo "make $(1) needs NVIDIA GPUs and the pinned stack; none found here (CONTAINER=docker runs it in its image; CPU=1 on this machine's CPUs, for a tiny model)."; \
   echo "$(2)"; exit 2; })
 endef
 
@@ -64,8 +66,9 @@ MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
-.PHONY: help demo test lint unit results train-llama3-8b-zero3 train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes \
-	memory-tables image lock gpu-check gpu-bundle wheelhouse monitor monitor-down clean
+.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
+	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock gpu-check gpu-bundle wheelhouse \
+	monitor monitor-down clean
 
 help: ## this list
 	@echo "make <target> [VARIABLE=value ...]"
@@ -108,8 +111,9 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).
-train-llama3-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml] [METRICS_PORT=9450]
-	$(call need_gpus,train-llama3-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
+# Each recipe's target is named recipe-<size>-<method>; train-<recipe folder> is the same target.
+recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker] [LAUNCH_CONFIG=configs/fsdp2.yaml] [METRICS_PORT=9450]
+	$(call need_gpus,recipe-8b-zero3,To try the recipe on this machine$(,) run 'make demo' (tiny model$(,) CPU$(,) a few minutes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ -n "$(LAUNCH_CONFIG)" ]; then cfg=$(LAUNCH_CONFIG); elif [ "$(NUM_GPUS)" = "1" ]; then \
 	  cfg=configs/zero3-offload.yaml; else cfg=configs/zero3.yaml; fi; \
@@ -181,8 +185,8 @@ lock: $(NOX) ## regenerate the hash locks from docker/requirements.txt (uv; TORC
 # optimizer-offload config; MODEL defaults to the 13B hub id, OUTPUT to out/llama2-13b-zero2.
 MODEL_13B = $(if $(filter file,$(origin MODEL)),meta-llama/Llama-2-13b-hf,$(MODEL))
 OUTPUT_13B = $(if $(filter file,$(origin OUTPUT)),out/llama2-13b-zero2,$(OUTPUT))
-train-llama2-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
-	$(call need_gpus,train-llama2-13b-zero2,To try it on CPU: 'nox -s test-llama2-13b-zero2' (a tiny Llama 2$(,) 2 processes) or 'make demo'.)
+recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_GPUS=8 MODEL=... DATA=... OUTPUT=... [CONTAINER=docker]
+	$(call need_gpus,recipe-13b-zero2,To try it on CPU: 'nox -s test-llama2-13b-zero2' (a tiny Llama 2$(,) 2 processes) or 'make demo'.)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
 	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
@@ -190,24 +194,31 @@ train-llama2-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs)
 	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
-# Checks the main/worker config pair first (seconds), then starts this node's half of the job.
-train-llama3-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
-	$(call need_gpus,train-llama3-70b-qlora,The CPU check of this recipe: 'nox -s test-llama3-70b-qlora'.)
+# Checks the main/worker config pair first (seconds), then starts this node's half of the job. GPUS_PER_NODE on
+# the command line sets the processes per node (the configs say 4); the same value on both nodes.
+nproc_70b = $(if $(filter command line,$(origin GPUS_PER_NODE)),--num_processes $$((2 * $(GPUS_PER_NODE))))
+recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
+	$(call need_gpus,recipe-70b-qlora,The CPU check of this recipe: 'nox -s test-llama3-70b-qlora'.)
 	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
 	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
 ifneq ($(CONTAINER),)
 	set -x && $(call in_container,llama3-70b-qlora,$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
-	  train-llama3-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
+	  recipe-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
 	  MODEL_70B="$(call local_or_hub,$(MODEL_70B))" DATA='$(foreach d,$(DATA),$(call local_or_hub,$(d)))' \
-	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)' METRICS_PORT=$(METRICS_PORT)
+	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)' METRICS_PORT=$(METRICS_PORT) \
+	  $(if $(filter command line,$(origin GPUS_PER_NODE)),GPUS_PER_NODE=$(GPUS_PER_NODE))
 else
 	@cd $(RECIPE_70B) && $(PYTHON) -m finetune_kit.launch.multinode configs/zero3-main.yaml configs/zero3-worker.yaml \
-	  --node-rank $(NODE_RANK)
+	  --node-rank $(NODE_RANK) $(subst _,-,$(nproc_70b))
 	@if [ "$(NODE_RANK)" = "0" ]; then cfg=configs/zero3-main.yaml; else cfg=configs/zero3-worker.yaml; fi; \
-	cd $(RECIPE_70B) && set -x && $(with_metrics) $(checked) accelerate launch --config_file $$cfg --main_process_ip $(MAIN_IP) \
-	  --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
+	cd $(RECIPE_70B) && set -x && $(with_metrics) $(checked) accelerate launch --config_file $$cfg $(nproc_70b) \
+	  --main_process_ip $(MAIN_IP) --main_process_port $(MAIN_PORT) train.py --model "$(call local_or_hub,$(MODEL_70B))" \
 	  --data $(foreach d,$(DATA),"$(call local_or_hub,$(d))") --output "$(abspath $(OUTPUT_70B))" $(TRAIN_ARGS)
 endif
+
+train-llama3-8b-zero3: recipe-8b-zero3 ## the same as recipe-8b-zero3
+train-llama2-13b-zero2: recipe-13b-zero2 ## the same as recipe-13b-zero2
+train-llama3-70b-qlora: recipe-70b-qlora ## the same as recipe-70b-qlora
 
 # Prometheus + Grafana + DCGM exporter for a running job (docker/monitoring): the targets are every rank's
 # endpoint, ports METRICS_PORT.. on each of NODES (main node first; the job runs with METRICS_PORT set), and

@@ -87,6 +87,13 @@ def run_command(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.Com
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=launch_env())
 
 
+def make_target(target: str, *variables: str) -> subprocess.Popen:
+    """``make TARGET CPU=1 VAR=value ...`` started from the repository root, as a recipe's README runs it
+    (CPU=1: on this machine's CPUs instead of its GPUs). Wait with :func:`wait_all`."""
+    return subprocess.Popen(["make", "--no-print-directory", "-C", str(REPO), target, "CPU=1", *variables],
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=launch_env())
+
+
 def accelerate_command(*args: str, config: str, nproc: int = 2, launcher_args=()) -> list[str]:
     """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS``."""
     return ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *launcher_args,

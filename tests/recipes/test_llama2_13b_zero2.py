@@ -37,6 +37,7 @@ from tests.harness import (
     free_port,
     launch_env,
     losses,
+    make_target,
     read_metrics,
     read_run_info,
     run_and_signal,
@@ -44,6 +45,7 @@ from tests.harness import (
     sample_examples,
     script_command,
     script_launch,
+    wait_all,
     write_jsonl,
 )
 
@@ -291,9 +293,16 @@ def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, 
         assert events.Scalars(f"train/{key}")[0].value == pytest.approx(record[key], rel=1e-5), key
 
 
-def test_offload_config_trains_with_cpu_adam(run, short_run):
-    """zero2-offload.json for real: DeepSpeed's CPU Adam updates this rank's half of the fp32 masters."""
-    other = short_run("offload", config="configs/zero2-offload.json")
+def test_the_readme_make_command_with_2_gpus_trains_with_cpu_adam(run, tiny_llama2, tmp_path):
+    """`make recipe-13b-zero2 NUM_GPUS=2 ...` from the repository root (CPU=1: on CPUs): below 8 GPUs it takes
+    zero2-offload.json, whose CPU Adam updates this rank's half of the fp32 masters."""
+    other = tmp_path / "made"
+    args = sizes(tiny_llama2)
+    proc, = wait_all([make_target("recipe-13b-zero2", "NUM_GPUS=2", f"MODEL={tiny_llama2}", f"DATA={SAMPLE}",
+                                  f"OUTPUT={other}", "TRAIN_ARGS=" + " ".join(
+                                      [*args[4:], "--max_steps", "3", "--save_strategy", "no"]))], timeout=900)
+    assert_finished(proc, 3)
+    assert "--deepspeed configs/zero2-offload.json" in proc.stderr  # the command, echoed by set -x
     info = read_run_info(other)
     for rank in info["ranks"]:
         opt = rank["optimizer"]

@@ -41,11 +41,13 @@ from tests.harness import (
     free_port,
     launch_nodes,
     losses,
+    make_target,
     netns_unavailable,
     read_metrics,
     read_run_info,
     run_and_signal,
     two_hosts,
+    wait_all,
 )
 
 pytestmark = pytest.mark.recipe
@@ -353,6 +355,22 @@ def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, patt
     bad = subprocess.run([sys.executable, "-m", "finetune_kit.launch.multinode", MAIN, str(worker)],
                          cwd=recipe_copy, capture_output=True, text=True)
     assert bad.returncode == 2 and re.search(pattern, bad.stderr), bad.stderr
+
+
+def test_the_readme_make_command_on_both_nodes_trains_like_the_launch(tiny_llama3, tmp_path):
+    """`make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=...` from the repository root on each "node" (CPU=1: on CPUs,
+    GPUS_PER_NODE=1: one process each), and its old name on the worker."""
+    output, port = tmp_path / "made", free_port()
+    args = sizes(tiny_llama3)
+    common = ["MAIN_IP=127.0.0.1", f"MAIN_PORT={port}", "GPUS_PER_NODE=1", f"MODEL_70B={tiny_llama3}",
+              f"DATA={SAMPLE}", f"OUTPUT_70B={output}",
+              "TRAIN_ARGS=" + " ".join([*args[4:], "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY)])]
+    nodes = wait_all([make_target("recipe-70b-qlora", "NODE_RANK=0", *common),
+                      make_target("train-llama3-70b-qlora", "NODE_RANK=1", *common)], timeout=600)
+    assert_ok(nodes)
+    assert f"done: {STEPS} steps" in nodes[0].stdout
+    assert "ok: 2 machines x 1 processes" in nodes[1].stdout  # the config pair, checked first on each node
+    assert_matches_golden(losses(output), GOLDEN, STEPS, atol=5e-3)
 
 
 def test_worker_with_another_num_machines_fails_in_seconds(recipe_copy, tiny_llama3, tmp_path):

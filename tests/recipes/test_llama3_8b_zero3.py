@@ -43,11 +43,13 @@ from tests.harness import (
     free_port,
     launch_env,
     losses,
+    make_target,
     read_metrics,
     read_run_info,
     run_and_signal,
     run_command,
     sample_examples,
+    wait_all,
     write_jsonl,
 )
 
@@ -134,6 +136,22 @@ def test_loss_falls(run):
 
 def test_losses_match_golden(run):
     assert_matches_golden(losses(run), GOLDEN, STEPS)
+
+
+def test_the_readme_make_command_trains_like_the_launch(tiny_llama3, tmp_path):
+    """`make recipe-8b-zero3 NUM_GPUS=2 ...` from the repository root (CPU=1: on CPUs), and its old name."""
+    output = tmp_path / "made"
+    variables = ["NUM_GPUS=2", f"MODEL={tiny_llama3}", f"DATA={SAMPLE}", f"OUTPUT={output}",
+                 "TRAIN_ARGS=" + " ".join([*sizes(tiny_llama3)[4:], "--max-steps", str(STEPS)])]
+    (proc,) = wait_all([make_target("recipe-8b-zero3", *variables)], timeout=900)
+    assert_finished(proc, STEPS)
+    assert "configs/zero3.yaml --num_processes 2" in proc.stderr  # the command, echoed by set -x
+    assert_matches_golden(losses(output), GOLDEN, STEPS)
+    alias = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "train-llama3-8b-zero3", *variables],
+                           capture_output=True, text=True)
+    same = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "recipe-8b-zero3", *variables],
+                          capture_output=True, text=True)
+    assert alias.returncode == 0 and alias.stdout == same.stdout, alias.stderr
 
 
 @pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="would rewrite the golden file with its losses")

@@ -138,10 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("main_config", help="accelerate YAML of the main node (machine_rank 0)")
     parser.add_argument("worker_config", help="accelerate YAML of a worker node")
     parser.add_argument("--node-rank", type=int, default=None, help="the machine_rank this node is meant to have")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="total processes over all nodes, as accelerate launch --num_processes overrides the YAMLs")
     args = parser.parse_args(argv)
     try:
-        print(check_pair(load_launch_config(args.main_config), load_launch_config(args.worker_config),
-                         args.main_config, args.worker_config, node_rank=args.node_rank))
+        main_config, worker_config = load_launch_config(args.main_config), load_launch_config(args.worker_config)
+        if args.num_processes is not None:
+            main_config["num_processes"] = worker_config["num_processes"] = args.num_processes
+        print(check_pair(main_config, worker_config, args.main_config, args.worker_config, node_rank=args.node_rank))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
