@@ -157,6 +157,47 @@ def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: i
     return done, elapsed
 
 
+@contextlib.contextmanager
+def killed_whole_after(cmd: list[str], cwd: Path, output: Path, step: int, timeout: int = 600):
+    """Start ``cmd`` and wait until ``output/metrics.jsonl`` has logged step ``step``; stop every process of
+    the job there (SIGSTOP: still alive, going no further) and yield the launcher; then SIGKILL them all
+    at once, the launcher and all its descendants (the ranks included: torchrun starts them in sessions of
+    their own), as a lost node or a killed container ends a job. Nothing gets to run an exit handler or
+    finish a save."""
+    import psutil
+
+    logs = Path(tempfile.mkdtemp(prefix="killed-"))
+    with (logs / "out").open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=out, stderr=subprocess.STDOUT, env=launch_env(),
+                                start_new_session=True)
+    metrics, start = output / "metrics.jsonl", time.monotonic()
+    try:
+        while not (metrics.is_file() and _last_step(metrics) >= step):
+            assert proc.poll() is None, f"the run ended before step {step}:\n{(logs / 'out').read_text()[-3000:]}"
+            assert time.monotonic() - start < timeout, f"no step {step} within {timeout} s"
+            time.sleep(0.05)
+        job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in job:
+            os.kill(pid, signal.SIGSTOP)
+        yield proc
+    finally:
+        job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        for pid in job[1:]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).wait(timeout=30)
+        shutil.rmtree(logs)
+
+
+def _last_step(metrics: Path) -> int:
+    """The step of the last complete line of a metrics.jsonl being written (0 if none)."""
+    lines = [line for line in metrics.read_text().splitlines() if line.endswith("}")]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -280,6 +321,67 @@ def assert_ranks_disjoint(run_info: dict, world: int = 2) -> None:
     ids = {i: set(r["example_ids"]) for i, r in ranks.items()}
     assert all(ids.values()) and not set.intersection(*ids.values())
     assert not set.union(*ids.values()) & set(run_info["eval_example_ids"])
+
+
+# ---- one model, however the batch is split ----
+
+# ranks x micro-batch x accumulation: the same 8 sequences in every optimizer step
+SPLITS = ((1, 8, 1), (1, 2, 4), (2, 2, 2), (2, 4, 1))
+# Measured with the loss over each step's labelled tokens (tiny Llama 3, the 8B recipe's tests, 4 steps of the
+# shipped sample, AMD EPYC): every split's per-step losses within 7.5e-5 of 1 x 8 x 1 (padded, packed, FSDP2; 1.5e-4
+# at another seed), its weight update within 1.2e-2 (relative, L2): the same sums in another order, then bf16 weights
+# rounding differently. Each micro-batch's own mean, the negative control: 2.7e-2 and 0.42 off.
+SPLIT_LOSS_ATOL = 1e-3
+SPLIT_UPDATE_RTOL = 5e-2
+# The gradient norm before clipping (metrics.jsonl's grad_norm) shows the scale the engines' averaging leaves, which
+# Adam's update would hide: measured within 3e-4 (relative) across the splits; a missing rank or accumulation factor
+# is 2x to 8x off, each micro-batch's own mean 7% off at step 1.
+SPLIT_GRAD_NORM_RTOL = 5e-3
+
+
+def split_args(ranks: int, micro: int, accum: int, micro_flag: str = "--micro-batch-size",
+               accum_flag: str = "--grad-accum") -> list[str]:
+    return [micro_flag, str(micro), accum_flag, str(accum)]
+
+
+def saved_update(output: Path, initial: Path | None, file: str, keep=lambda name: True):
+    """The saved weights minus the initial ones (``initial``: a folder with ``model.safetensors``; None: zeros,
+    as LoRA's B matrices start), flat, over the tensors whose names ``keep``."""
+    import torch
+    from safetensors.torch import load_file
+
+    final = load_file(output / file)
+    start = load_file(initial / "model.safetensors") if initial is not None else {}
+    names = sorted(n for n in final if keep(n))
+    assert names, f"no weights to compare in {output / file}"
+    return torch.cat([(final[n].float() - (start[n].float() if n in start else 0)).flatten() for n in names])
+
+
+def assert_one_model_for_every_split(runs: dict, initial: Path | None, file: str = "model/model.safetensors",
+                                     keep=lambda name: True, loss_atol: float = SPLIT_LOSS_ATOL,
+                                     update_rtol: float = SPLIT_UPDATE_RTOL,
+                                     norm_rtol: float = SPLIT_GRAD_NORM_RTOL) -> None:
+    """Every run of ``runs`` ({(ranks, micro, accum): output}) logged the first one's per-step losses within
+    ``loss_atol`` and gradient norms within ``norm_rtol`` (relative), and saved its weight update within
+    ``update_rtol`` (relative, L2)."""
+    (_, reference), *others = runs.items()
+    want, base = losses(reference), saved_update(reference, initial, file, keep)
+    want_norms = [m.get("grad_norm") for m in read_metrics(reference)]
+    report, ok = [], True
+    for split, output in others:
+        got, update = losses(output), saved_update(output, initial, file, keep)
+        assert len(got) == len(want), (split, got, want)
+        loss_diff = max(abs(a - b) for a, b in zip(got, want, strict=True))
+        update_diff = float((update - base).norm() / base.norm())
+        norms = [m.get("grad_norm") for m in read_metrics(output)]
+        assert None not in norms + want_norms, "every step logs its gradient norm"
+        norm_diff = max(abs(a / b - 1) for a, b in zip(norms, want_norms, strict=True))
+        ok &= loss_diff <= loss_atol and update_diff <= update_rtol and norm_diff <= norm_rtol
+        report.append(f"{'x'.join(map(str, split))}: largest |loss difference| {loss_diff:.1e}, "
+                      f"weight update {update_diff:.1e} apart, gradient norm {norm_diff:.1e} apart")
+    print("\n".join(report))
+    assert ok, (f"not one model (losses within {loss_atol}, updates within {update_rtol}, gradient norms within "
+                f"{norm_rtol}): " + "; ".join(report))
 
 
 def sample_examples(tokenizer, ids: list[int], max_seq_len: int, chat_template: str = "auto",

@@ -28,6 +28,7 @@ from finetune_kit import TrainingRun, recipe_parser, run_main, save_adapter
 
 # isort: split
 from peft import LoraConfig
+from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from transformers import BitsAndBytesConfig
 
@@ -128,15 +129,20 @@ def main(argv=None) -> None:
 
     # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
     model.train()
-    for batch in run.batches(train_dl, model, scheduler):
-        with accelerator.accumulate(model):
-            with models.offload_activations(args.offload_activations):  # what backward needs, in host RAM if asked
-                loss = model(**batch).loss
-            accelerator.backward(loss)  # DeepSpeed steps optimizer + schedule at the boundary
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        run.micro_batch_done(loss, batch)  # logs each optimizer step; validates after each epoch
+    for step in run.steps(train_dl, model, scheduler):  # one optimizer step: this rank's micro-batches, counted
+        for batch in step.micro_batches:
+            with accelerator.accumulate(model):
+                labels = batch.pop("labels")
+                with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
+                    logits = model(**batch).logits
+                # the reviews' losses, summed, over the labelled reviews of the whole step on all ranks: a short
+                # last micro-batch weighs no more than a full one
+                loss = F.cross_entropy(logits.float(), labels, reduction="sum") / step.labelled
+                accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
+                optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
+                scheduler.step()
+                optimizer.zero_grad()
+            run.micro_batch_done(loss, batch)  # logs each optimizer step; validates after each epoch
         if run.checkpoint_due():  # every --save-every steps, the last step, or a stop signal (SIGTERM, SIGUSR1)
             run.save_checkpoint()  # checkpoints/step_N; after a stop signal the process exits 0 here
 

@@ -94,17 +94,21 @@ def main(argv=None) -> None:
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
     model.train()
-    for batch in run.batches(train_dl, model, scheduler):
-        with accelerator.accumulate(model):
-            with models.offload_activations(args.offload_activations):  # what backward needs, in host RAM if asked
-                loss = model(**batch).loss
-            accelerator.backward(loss)  # DeepSpeed steps optimizer + schedule at the boundary
-            if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clips per its JSON
-                accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        run.micro_batch_done(loss, batch)  # logs each optimizer step
+    for step in run.steps(train_dl, model, scheduler):  # one optimizer step: this rank's micro-batches, counted
+        grad_norm = None
+        for batch in step.micro_batches:
+            with accelerator.accumulate(model):
+                with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
+                    # the token losses of this micro-batch, summed, over the labelled tokens of the whole step on
+                    # all ranks: the step's loss is their token mean, however the batch is split
+                    loss = model(**batch, num_items_in_batch=step.labelled).loss
+                accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
+                if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both give the norm
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+                optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
+                scheduler.step()
+                optimizer.zero_grad()
+            run.micro_batch_done(loss, batch, grad_norm)  # logs each optimizer step
         if run.checkpoint_due():  # every --save-every steps, the last step, or a stop signal (SIGTERM, SIGUSR1)
             run.save_checkpoint()  # checkpoints/step_N; after a stop signal the process exits 0 here
 

@@ -27,9 +27,11 @@ from tests.harness import (
     REPO,
     SAMPLE,
     SAMPLES,
+    SPLITS,
     assert_finished,
     assert_matches_golden,
     assert_one_line_error,
+    assert_one_model_for_every_split,
     assert_ranks_disjoint,
     assert_resumed_like_uninterrupted,
     bad_input_args,
@@ -45,6 +47,7 @@ from tests.harness import (
     sample_examples,
     script_command,
     script_launch,
+    split_args,
     wait_all,
     write_jsonl,
 )
@@ -140,7 +143,7 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
     from finetune_kit import models
 
     metrics = read_metrics(run)
-    assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "tokens", "padding_fraction", "tokens_per_s",
+    assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "padding_fraction", "tokens_per_s",
                                "tokens_per_s_per_device", "model_tflop_per_s_per_device", "step_time_s",
                                "host_rss_GiB"}  # no mfu_percent: a CPU has no bf16 peak
     for m in metrics:
@@ -213,6 +216,39 @@ def test_accumulation_4x1_matches_1x4(run, short_run):
     assert losses(other)[0] == pytest.approx(losses(run)[0], abs=1e-3)  # forward only: same rows, same weights
     assert losses(other) == pytest.approx(losses(run)[:3], abs=1e-3)  # after one and two updates
     assert grad_norms(other) == pytest.approx(grad_norms(run)[:3], rel=5e-3)
+
+
+@pytest.fixture(scope="module")
+def split_run(recipe_copy, tiny_llama2, tmp_path_factory):
+    """A 4-step run of 8 sequences per optimizer step, split as ``ranks x micro-batch x accumulation``;
+    each distinct launch runs once."""
+    done = {}
+
+    def start(ranks: int, micro: int, accum: int, *extra: str) -> Path:
+        if (ranks, micro, accum, extra) not in done:
+            output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
+            args = split_args(ranks, micro, accum, "--per_device_train_batch_size", "--gradient_accumulation_steps")
+            assert_finished(launch(recipe_copy, *sizes(tiny_llama2), *args, *extra, "--output_dir", str(output),
+                                   "--max_steps", "4", "--save_strategy", "no", nproc=ranks), 4)
+            done[ranks, micro, accum, extra] = output
+        return done[ranks, micro, accum, extra]
+    return start
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama2):
+    """The Trainer counts the labelled tokens of the accumulated micro-batches on every rank
+    (``num_items_in_batch``, ``average_tokens_across_devices``), and our loss takes the count: 1 x 8 x 1,
+    1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation) train one model under DeepSpeed."""
+    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
+    assert_one_model_for_every_split(runs, tiny_llama2)
+
+
+def test_without_the_count_across_ranks_two_ranks_train_another_model(split_run, tiny_llama2):
+    """The negative control: each rank's loss over its own labelled tokens, averaged over the ranks."""
+    runs = {(1, 2, 4): split_run(1, 2, 4), (2, 2, 2): split_run(2, 2, 2, "--average_tokens_across_devices", "false")}
+    with pytest.raises(AssertionError, match="not one model"):
+        assert_one_model_for_every_split(runs, tiny_llama2)
 
 
 def test_both_launchers_give_the_same_losses(run, short_run):

@@ -28,12 +28,14 @@ from tests.harness import (
     SAMPLE,
     SAMPLE_CHAT,
     SAMPLES,
+    SPLITS,
     accelerate_command,
     accelerate_launch,
     assert_failed_early,
     assert_finished,
     assert_matches_golden,
     assert_one_line_error,
+    assert_one_model_for_every_split,
     assert_ranks_disjoint,
     assert_refused_to_overwrite,
     assert_resumed_like_uninterrupted,
@@ -41,6 +43,7 @@ from tests.harness import (
     bad_input_args,
     checked,
     free_port,
+    killed_whole_after,
     launch_env,
     losses,
     make_target,
@@ -49,6 +52,7 @@ from tests.harness import (
     run_and_signal,
     run_command,
     sample_examples,
+    split_args,
     wait_all,
     write_jsonl,
 )
@@ -423,6 +427,64 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
         assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in stdout
 
 
+# ---- one model, however the batch is split ----
+
+PER_MICRO_BATCH_MEAN = "loss = model(**batch).loss / step.backward_scale"  # the loss before the step's token count
+
+
+@pytest.fixture(scope="module")
+def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
+    """A 4-step run of 8 sequences per optimizer step, split as ``ranks x micro-batch x accumulation``;
+    each distinct launch runs once. ``per_micro_batch_mean``: train.py with each micro-batch's own mean
+    as its loss (the negative control)."""
+    done, control = {}, None
+
+    def start(ranks: int, micro: int, accum: int, *extra: str, config: str = "configs/zero3.yaml",
+              per_micro_batch_mean: bool = False) -> Path:
+        nonlocal control
+        key = (ranks, micro, accum, extra, config, per_micro_batch_mean)
+        if key not in done:
+            cwd = recipe_copy
+            if per_micro_batch_mean:
+                if control is None:
+                    control = tmp_path_factory.mktemp("control") / "recipe"
+                    shutil.copytree(recipe_copy, control)
+                    script = (control / "train.py").read_text()
+                    line = "loss = model(**batch, num_items_in_batch=step.labelled).loss"
+                    assert line in script
+                    (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
+                cwd = control
+            output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
+            proc = launch(cwd, *sizes(tiny_llama3), *split_args(ranks, micro, accum), *extra, "--output", str(output),
+                          "--max-steps", "4", "--save-every", "0", config=config, nproc=ranks)
+            assert_finished(proc, 4)
+            done[key] = output
+        return done[key]
+    return start
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama3):
+    """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): the loss of each step is
+    the mean over its labelled tokens on all ranks, so every split logs the same losses and saves the same model."""
+    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
+    assert_one_model_for_every_split(runs, tiny_llama3)
+
+
+def test_fsdp2_trains_one_model_however_the_batch_is_split(split_run, tiny_llama3):
+    """accelerate's FSDP2 divides by the accumulation steps, its reduce-scatter averages the ranks: undone too."""
+    runs = {split: split_run(*split, config=FSDP_CONFIG) for split in ((1, 8, 1), (2, 2, 2))}
+    assert_one_model_for_every_split(runs, tiny_llama3)
+
+
+def test_the_split_tolerances_catch_each_micro_batchs_own_mean(split_run, tiny_llama3):
+    """The negative control: with each micro-batch's own mean as its loss (the recipes' loss before the step's
+    token count), 1 x 2 x 4 does not train the model 1 x 8 x 1 trains."""
+    runs = {(1, 8, 1): split_run(1, 8, 1), (1, 2, 4): split_run(1, 2, 4, per_micro_batch_mean=True)}
+    with pytest.raises(AssertionError, match="not one model"):
+        assert_one_model_for_every_split(runs, tiny_llama3)
+
+
 def test_relaunching_the_same_command_resumes_past_an_interrupted_save(run, recipe_copy, tiny_llama3, tmp_path):
     """An output holding step 4 and the remains of a save of step 8 that never completed (a
     killed process leaves only the .partial folder): the unchanged command deletes the remains,
@@ -464,6 +526,39 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
 
     assert_finished(launch(recipe_copy, *args), STEPS, "relaunch")
     assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+
+
+def test_a_job_killed_whole_twice_resumes_bit_for_bit_and_a_second_launch_meanwhile_is_refused(
+        recipe_copy, tiny_llama3, tmp_path):
+    """Every process of the job SIGKILLed at once (a lost node, a killed container), then the same command again:
+    it resumes from the newest complete checkpoint, once at an epoch boundary and once mid-epoch, and the losses
+    and the final model are the uninterrupted run's, bit for bit. While the first attempt ran, a second launch into
+    its folder stopped before any rank started, naming the run that holds it."""
+    rows = SAMPLE.read_text().splitlines()[:64]  # 61 training rows: 3 optimizer steps of 2 x 4 x 2 per epoch
+    data = write_jsonl(tmp_path / "rows.jsonl", [json.loads(row) for row in rows])
+    args = [*sizes(tiny_llama3, data), "--epochs", "4", "--save-every", "2", "--keep-checkpoints", "0"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert_finished(launch(recipe_copy, *args, "--output", str(straight)), 12)
+    command = accelerate_command(*args, "--output", str(killed), config="configs/zero3.yaml")
+    with killed_whole_after(command, recipe_copy, killed, step=7) as first:  # resumes from step 6: epoch 2's end
+        second = run_command(checked(command), recipe_copy, timeout=300)
+    assert_one_line_error(second, r"output folder '.*killed' is in use by a running job: process \d+ on host "
+                                  r"\S+, since .*\. Wait for it to finish, .*", status=2)
+    assert "world size" not in second.stdout  # no rank started
+    assert first.returncode == -signal.SIGKILL
+    with killed_whole_after(command, recipe_copy, killed, step=9):  # resumes from step 8: mid-epoch
+        pass
+    last = run_command(command, recipe_copy)
+    assert_finished(last, 12)
+    assert "resumed from " in last.stdout and "step_000008 at step 8" in last.stdout, last.stdout[-2000:]
+    want = {m["step"]: m["loss"] for m in read_metrics(straight)}
+    got = read_metrics(killed)  # every attempt's lines: steps 7 and 9 were logged twice
+    assert sorted({m["step"] for m in got}) == list(range(1, 13)) and len(got) == 12 + 2
+    assert all(m["loss"] == want[m["step"]] for m in got), [(m["step"], m["loss"] - want[m["step"]]) for m in got]
+    from safetensors.torch import load_file
+
+    final, reference = load_file(killed / "model/model.safetensors"), load_file(straight / "model/model.safetensors")
+    assert all(torch.equal(final[name], reference[name]) for name in reference)
 
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(run, recipe_copy, tiny_llama3, tmp_path):

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "shared/finetune_kit"
 # bottom to top; one rank may hold several packages, which then must not use each other
 LAYERS = [
     ("errors",),
-    ("outputs", "tables"),
+    ("outputs", "output_lock", "tables"),
     ("data",),
     ("models",),
     ("launch",),

@@ -25,8 +25,9 @@ class Metric:
 
 STEP = Metric("step", "optimizer steps", "step", "optimizer steps taken so far")
 EPOCH = Metric("epoch", "epochs", "epoch", "passes over the training data (fractional in the Trainer)")
-LOSS = Metric("loss", "nats/token", "loss", "training loss of the step, averaged over micro-batches and ranks")
+LOSS = Metric("loss", "nats/token", "loss", "training loss of the step: the mean over its labelled tokens, all ranks")
 LR = Metric("lr", "1", "lr", "learning rate the step trained with")
+GRAD_NORM = Metric("grad_norm", "1", "grad_norm", "L2 norm of the step's whole gradient, before clipping")
 TOKENS = Metric("tokens", "tokens", "tokens", "real (non-padding) tokens in the step, all ranks")
 PADDING_FRACTION = Metric("padding_fraction", "1", "padding", "padded slots / all slots in the step's batches")
 STEP_TIME = Metric("step_time_s", "s", "s/step", "wall-clock time of the step")
@@ -47,7 +48,7 @@ SKIPPED_STEPS = Metric("skipped_steps", "steps", "skipped",
                        "optimizer steps skipped so far because fp16 gradients overflowed (fp16 runs only)")
 
 # metrics.jsonl columns, in order; absent ones (MFU on CPU, GPU memory without CUDA) are left out.
-STEP_METRICS = (STEP, EPOCH, LOSS, LR, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
+STEP_METRICS = (STEP, EPOCH, LOSS, LR, GRAD_NORM, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
                 TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS, LOSS_SCALE,
                 SKIPPED_STEPS)
 MEMORY = (GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS)

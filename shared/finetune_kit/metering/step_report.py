@@ -1,12 +1,11 @@
 """What a training loop reports at each optimizer step, the same in every accelerate recipe.
 
-    report = StepReport(accelerator, flop_counter, output, total_steps=..., initial_step=...,
-                        grad_accum=..., log_every=...)
+    report = StepReport(accelerator, flop_counter, output, total_steps=..., initial_step=..., log_every=...)
     ...  each micro-batch:   report.micro_batch(loss, batch)
     ...  each optimizer step: report.optimizer_step(step, epoch, lr)
     report.close()
 
-Per step: the loss averaged over micro-batches and ranks, real tokens / padding / model FLOPs
+Per step: the loss, a mean over the step's labelled tokens on all ranks, real tokens / padding / model FLOPs
 summed over ranks (:class:`StepTally`) and turned into rates (:class:`ThroughputMeter`, kept
 whole in ``report.meter`` for the run record); every ``log_every`` steps a ``metrics.jsonl``
 line (:class:`MetricsLog`, and the trackers of ``--report-to``) and the progress bar's figures;
@@ -29,7 +28,7 @@ from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 
 class StepReport:
     def __init__(self, accelerator, flop_counter: FlopCounter, output: Path, *, total_steps: int,
-                 initial_step: int, grad_accum: int, log_every: int, endpoint=None):
+                 initial_step: int, log_every: int, endpoint=None):
         self.accelerator = accelerator
         self.endpoint = endpoint
         self.tally = StepTally(flop_counter)
@@ -37,22 +36,26 @@ class StepReport:
         self.log = MetricsLog(output, enabled=accelerator.is_main_process, accelerator=accelerator)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step",
                         disable=not accelerator.is_local_main_process)
-        self.total_steps, self.grad_accum, self.log_every = total_steps, grad_accum, log_every
+        self.total_steps, self.log_every = total_steps, log_every
         self._loss = torch.zeros(())
 
     def micro_batch(self, loss: torch.Tensor, batch: dict) -> None:
+        """``loss``: the micro-batch's summed token losses over the labelled tokens of the whole step
+        (training.steps), so the step's loss is the sum over its micro-batches and ranks."""
         # summed where the loss is: no wait for the device until the step's figures are read
-        self._loss = self._loss.to(loss.device) + loss.detach().float() / self.grad_accum
+        self._loss = self._loss.to(loss.device) + loss.detach().float()
         self.tally.add(batch)
 
-    def optimizer_step(self, step: int, epoch: int, lr: float) -> dict:
-        """Close the step (collectives: every rank calls it); return its metrics."""
+    def optimizer_step(self, step: int, epoch: int, lr: float, grad_norm: float | None = None) -> dict:
+        """Close the step (collectives: every rank calls it); return its metrics. ``grad_norm``: the
+        whole gradient's norm before clipping, where the engine reports one."""
         acc = self.accelerator
-        loss = acc.reduce(self._loss.to(acc.device), "mean").item()
+        loss = acc.reduce(self._loss.to(acc.device), "sum").item()
         self._loss = torch.zeros(())
         own_tokens = self.tally.tokens
         rate = self.meter.step(**self.tally.reduce(acc))
         record = {keys.STEP.key: step, keys.EPOCH.key: epoch, keys.LOSS.key: loss, keys.LR.key: lr,
+                  **({keys.GRAD_NORM.key: float(grad_norm)} if grad_norm is not None else {}),
                   **rate.as_metrics(), **peak_memory.peaks()}
         if self.endpoint is not None:
             self.endpoint.update(record)

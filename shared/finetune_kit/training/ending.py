@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune_kit import output_lock
 from finetune_kit.launch import env
 from finetune_kit.training.preflight import Preflight
 
@@ -158,6 +159,7 @@ class RunBase:
         acc.wait_for_everyone()
         acc.end_training()
         self._close_endpoint()
+        output_lock.release(checked.output)  # the main rank's hold on the output folder
 
     def _close_endpoint(self) -> None:
         if self.endpoint is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_kit import outputs
+from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
@@ -188,7 +188,8 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
     prometheus.requested_port()
     trackers.check_trackers(*report_to)
     outputs.check_writable(output)
-    if env.is_main_rank():
+    if env.is_main_rank():  # one run per output folder: refused before anything in it is touched
+        output_lock.check_free(output)
         for path in checkpoints.clean_partial(output, layout):
             print(f"removed {path}: a checkpoint save that never completed (not resumable)")
     resume_from = checkpoints.resolve_resume(resume, output, layout)

@@ -9,10 +9,13 @@ The loop body stays in the recipe's ``main()``::
     optimizer, scheduler = run.optimizer_and_schedule(trainable_params)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     run.resume()                                       # restores the checkpoint preflight chose, if any
-    for batch in run.batches(train_dl, model, scheduler):
-        with accelerator.accumulate(model):            # forward, backward, step: the recipe's
-            ...
-        run.micro_batch_done(loss, batch)              # logs each optimizer step, validates when due
+    for step in run.steps(train_dl, model, scheduler): # micro-batches + labelled tokens of the step (all ranks)
+        for batch in step.micro_batches:
+            with accelerator.accumulate(model):        # forward, backward, step: the recipe's
+                loss = model(**batch, num_items_in_batch=step.labelled).loss
+                accelerator.backward(loss * step.backward_scale)
+                ...
+            run.micro_batch_done(loss, batch)          # logs each optimizer step, validates when due
         if run.checkpoint_due():                       # --save-every, the last step, or a stop signal
             run.save_checkpoint()                      # after a stop signal the process exits 0 here
     run.finish(model, saved_to=...)                    # run_record.json, run_info.json, summary line
@@ -22,7 +25,9 @@ full fine-tune, PyTorch FSDP2 (``distributed_type: FSDP``; :mod:`finetune_kit.la
 recipe's loop is the same for both; the differences live here (optimizer, resume) and in the
 preflight (:mod:`finetune_kit.training.preflight`).
 
-What it owns: the position in the data (epoch, batch in epoch, optimizer step; exact on resume,
+What it owns: the loss's normaliser (the labelled tokens of each whole optimizer step, counted on
+all ranks before its first backward: :mod:`finetune_kit.training.steps`), the position in the data
+(epoch, batch in epoch, optimizer step; exact on resume,
 also on another number of ranks: :mod:`finetune_kit.training.resharding`); when to log
 (``--log-every``), evaluate (after each epoch, or once at the end) and save (``--save-every``, the
 last step, a stop signal); the metering (throughput clock paused while evaluating or saving), the
@@ -38,13 +43,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune_kit import output_lock
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import checks, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models.shapes import Adapter
-from finetune_kit.training import checkpoints, preflight, resharding
+from finetune_kit.training import adam_resume, checkpoints, preflight, resharding
 from finetune_kit.training.ending import Position, RunBase, trainable_parameters
 from finetune_kit.training.preemption import StopRequest, stop_line
+from finetune_kit.training.steps import Step, count_step
 
 
 @dataclass
@@ -76,13 +83,16 @@ class TrainingRun(RunBase):
     def start(self, **accelerator_kwargs):
         """The Accelerator the launch config describes (gloo on CPU-only machines), seeded;
         the sampler is seedable so a resumed run sees the same data order."""
-        from accelerate.utils import DataLoaderConfiguration, set_seed
+        from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
         from finetune_kit.launch.accelerator import make_accelerator
 
         c = self.checked
         acc = self.accelerator = make_accelerator(
-            gradient_accumulation_steps=self.args.grad_accum,
+            # steps() reads a step's micro-batches before the first backward: the loader's end is then
+            # reached before the step's last micro-batch, so the boundary is counted, not taken from it
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=self.args.grad_accum,
+                                                                    sync_with_dataloader=False),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
             **trackers.accelerator_kwargs(self.args.report_to, c.output), **accelerator_kwargs)
         set_seed(self.args.seed)
@@ -99,9 +109,12 @@ class TrainingRun(RunBase):
     # ---- 3. the schedule ----
 
     def plan_steps(self, train_dl) -> int:
-        """Optimizer steps per epoch and in total, from the (unprepared) training loader."""
+        """Optimizer steps per epoch and in total, from the (unprepared) training loader. An epoch is its
+        whole global batches (micro-batch x accumulation x ranks sequences): the rest is left out, so that
+        every split of the global batch trains on the same sequences (the loader would otherwise pad the
+        last one with repeats on some splits and drop it on others)."""
         world, a = self.accelerator.num_processes, self.args
-        self.steps_per_epoch = math.ceil(len(train_dl) / world) // a.grad_accum
+        self.steps_per_epoch = len(train_dl.dataset) // (a.micro_batch_size * a.grad_accum * world)
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{len(train_dl.dataset)} training examples make no full optimizer step of "
                                      f"{a.micro_batch_size} x {a.grad_accum} x {world} processes; "
@@ -139,9 +152,11 @@ class TrainingRun(RunBase):
         return float(self.checked.ds_config.get("gradient_clipping", 0.0))
 
     def resume(self, **load_kwargs) -> None:
-        """Restore model, optimizer, schedule, RNG and position from the checkpoint chosen at
-        preflight (``--resume``); nothing for a fresh run. ``load_kwargs``: DeepSpeed's."""
+        """Take the output folder's lock, then restore model, optimizer, schedule, RNG and position from the
+        checkpoint chosen at preflight (``--resume``); nothing more for a fresh run. ``load_kwargs``: DeepSpeed's."""
         c, acc = self.checked, self.accelerator
+        if acc.is_main_process:  # from here on the run writes to its folder: it holds it until it ends (output_lock)
+            output_lock.acquire(c.output)
         if c.resume_from is None:
             return
         if c.reshaping() and c.fsdp is not None:  # torch.distributed.checkpoint reshards on load
@@ -162,14 +177,17 @@ class TrainingRun(RunBase):
                 from finetune_kit.training.nvme_resume import restore_nvme_optimizer
 
                 restore_nvme_optimizer(acc.deepspeed_engine_wrapped.engine, c.resume_from)
+        if c.fsdp is None:  # DeepSpeed's native CPU Adam: its beta**t as the uninterrupted run has it
+            adam_resume.replay_bias_correction(acc.deepspeed_engine_wrapped.engine.optimizer)
         self.position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
         acc.print(f"resumed from {c.resume_from} at step {self.position.step}")
 
     # ---- 4. the loop ----
 
-    def batches(self, train_dl, model, scheduler) -> Iterator[dict]:
-        """The training micro-batches, epoch after epoch, from the current position, until the
-        last step. ``example_ids`` is taken off each batch (kept for the run record)."""
+    def steps(self, train_dl, model, scheduler) -> Iterator[Step]:
+        """The optimizer steps from the current position to the last, epoch after epoch: each one's
+        micro-batches on this rank and its labelled tokens on all ranks (:mod:`.steps`), counted before
+        its first backward. ``example_ids`` is taken off each batch (kept for the run record)."""
         from finetune_kit.metering.flops import FlopCounter
         from finetune_kit.metering.step_report import StepReport
 
@@ -179,8 +197,8 @@ class TrainingRun(RunBase):
         self.flop_counter = FlopCounter(c.shape, num_labels=c.num_labels, trainable=trainable,
                                         head_trainable=trainable is not None and c.num_labels is not None)
         self.report = StepReport(self.accelerator, self.flop_counter, c.output, total_steps=self.total_steps,
-                                 initial_step=self.position.step, grad_accum=self.args.grad_accum,
-                                 log_every=self.args.log_every, endpoint=self.endpoint)
+                                 initial_step=self.position.step, log_every=self.args.log_every,
+                                 endpoint=self.endpoint)
         self.meter = self.report.meter
         if c.fsdp is not None:
             # accelerate steps a prepared schedule once per rank at each optimizer step (it assumes one
@@ -188,22 +206,27 @@ class TrainingRun(RunBase):
             # schedule's state is then in optimizer steps, and resumes on any number of ranks.
             scheduler.split_batches = True
         self._epoch_done = False
-        pos = self.position
+        pos, window = self.position, []
         while pos.step < self.total_steps:
             train_dl.set_epoch(pos.epoch)
             for batch in self.accelerator.skip_first_batches(train_dl, pos.batch_in_epoch):
                 for ids in batch.pop("example_ids"):
                     self.seen_ids.extend(ids if isinstance(ids, list) else [ids])
+                window.append(batch)
+                if len(window) < self.args.grad_accum:
+                    continue
                 self._lr = scheduler.get_last_lr()[0]  # the rate this step trains with
-                yield batch
+                yield count_step(window, self.accelerator)
+                window = []
                 if self._epoch_done or pos.step >= self.total_steps:
                     break
             self._epoch_done = False
         self.report.close()
 
-    def micro_batch_done(self, loss, batch) -> None:
+    def micro_batch_done(self, loss, batch, grad_norm=None) -> None:
         """Account one micro-batch; at an optimizer-step boundary, log it and evaluate when due.
-        Every rank calls it (the step's metrics are collectives)."""
+        Every rank calls it (the step's metrics are collectives). ``grad_norm``: what
+        ``accelerator.clip_grad_norm_`` returned at the boundary (else DeepSpeed's own is read)."""
         self.report.micro_batch(loss, batch)
         pos = self.position
         pos.batch_in_epoch += 1
@@ -211,7 +234,9 @@ class TrainingRun(RunBase):
         if not self._at_step_boundary:
             return
         pos.step += 1
-        self.report.optimizer_step(pos.step, pos.epoch, self._lr)
+        if grad_norm is None and self.checked.fsdp is None:  # DeepSpeed's step computed it for its clipping
+            grad_norm = self.accelerator.deepspeed_engine_wrapped.get_global_grad_norm()
+        self.report.optimizer_step(pos.step, pos.epoch, self._lr, grad_norm)
         self._epoch_done = pos.batch_in_epoch >= self.steps_per_epoch * self.args.grad_accum
         if self.eval_each_epoch and (self._epoch_done or pos.step == self.total_steps):
             self._evaluate(announce=True)

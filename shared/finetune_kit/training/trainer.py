@@ -25,6 +25,7 @@ from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 from finetune_kit.models.activation_offload import offload_activations
 from finetune_kit.training import checkpoints
+from finetune_kit.training.adam_resume import replay_bias_correction
 from finetune_kit.training.preemption import stop_line
 
 
@@ -87,7 +88,9 @@ class MeteringCallback(TrainerCallback):
         if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
             return
         record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
-                  keys.LR.key: logs.get("learning_rate"), **self.rate.as_metrics(), **peak_memory.peaks(),
+                  keys.LR.key: logs.get("learning_rate"),
+                  **({keys.GRAD_NORM.key: float(logs["grad_norm"])} if logs.get("grad_norm") is not None else {}),
+                  **self.rate.as_metrics(), **peak_memory.peaks(),
                   **keys.loss_scaling(getattr(self.trainer, "model_wrapped", None))}
         if self.endpoint is not None:
             self.endpoint.update(record)
@@ -107,6 +110,18 @@ class MeteringCallback(TrainerCallback):
 def _reporting(args) -> bool:
     report_to = getattr(args, "report_to", None) or []
     return any(name != "none" for name in ([report_to] if isinstance(report_to, str) else report_to))
+
+
+class ResumeCallback(TrainerCallback):
+    """After the Trainer loaded a DeepSpeed checkpoint (before its first step): DeepSpeed's native CPU
+    Adam gets the beta**t state the uninterrupted run had (:mod:`finetune_kit.training.adam_resume`)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step > 0 and self.trainer.is_deepspeed_enabled:
+            replay_bias_correction(self.trainer.model_wrapped.optimizer)
 
 
 class StopCallback(TrainerCallback):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune_kit import output_lock
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import checks
 from finetune_kit.metering import prometheus
@@ -68,9 +69,11 @@ class TrainerRun(RunBase):
         process and checks the disk before each save."""
         from finetune_kit.metering.flops import FlopCounter
         from finetune_kit.training.preemption import StopRequest
-        from finetune_kit.training.trainer import MeteredTrainer, RoomToSaveCallback, StopCallback
+        from finetune_kit.training.trainer import MeteredTrainer, ResumeCallback, RoomToSaveCallback, StopCallback
 
         c = self.checked
+        if self.training_args.process_index == 0:  # from here on the run writes to its folder, until it ends
+            output_lock.acquire(c.output)
         self.flop_counter = FlopCounter(c.shape, num_labels=c.num_labels)
         self.endpoint = prometheus.open_endpoint(c.recipe)
         trainer = MeteredTrainer(args=self.training_args, flop_counter=self.flop_counter, metrics_dir=c.output,
@@ -78,6 +81,7 @@ class TrainerRun(RunBase):
                                  offload_activations=getattr(self.args, "offload_activations", False), **trainer_kwargs)
         stop = StopRequest(announce=trainer.args.local_process_index == 0).install()
         trainer.add_callback(StopCallback(trainer, stop))
+        trainer.add_callback(ResumeCallback(trainer))
         trainer.add_callback(RoomToSaveCallback(trainer, c.checkpoint_estimate))  # sees the final should_save
         self.accelerator, self.meter, self._trainer = trainer.accelerator, trainer.meter, trainer
         self.params_trainable = trainable_parameters(trainer.model)

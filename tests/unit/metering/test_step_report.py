@@ -19,15 +19,15 @@ def one_process():
                            device=torch.device("cpu"), reduce=lambda t, op: t)
 
 
-def test_steps_average_the_loss_and_log_every_n(tmp_path):
-    report = StepReport(one_process(), FlopCounter(TINY), tmp_path, total_steps=3, initial_step=0, grad_accum=2,
-                        log_every=2)
+def test_a_steps_loss_is_the_sum_of_its_micro_batches_token_shares_and_every_nth_is_logged(tmp_path):
+    """Each micro-batch's loss is its token-loss sum over the step's labelled tokens (training.steps)."""
+    report = StepReport(one_process(), FlopCounter(TINY), tmp_path, total_steps=3, initial_step=0, log_every=2)
     losses = [(2.0, 4.0), (3.0, 1.0), (1.0, 1.0)]
     for step, (a, b) in enumerate(losses, start=1):
         report.micro_batch(torch.tensor(a), {"attention_mask": torch.tensor([[1, 1, 1, 0]])})
         report.micro_batch(torch.tensor(b), {"attention_mask": torch.tensor([[1, 1, 0, 0]])})
         record = report.optimizer_step(step, epoch=0, lr=1e-3)
-        assert record["loss"] == pytest.approx((a + b) / 2) and record["tokens"] == 5
+        assert record["loss"] == pytest.approx(a + b) and record["tokens"] == 5
         assert record["padding_fraction"] == pytest.approx(3 / 8)
     report.close()
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -39,8 +39,8 @@ def test_the_endpoint_gets_every_step_and_this_ranks_tokens(tmp_path):
     from tests.unit.training.test_trainer_metrics import FakeEndpoint
 
     endpoint = FakeEndpoint()
-    report = StepReport(one_process(), FlopCounter(TINY), tmp_path, total_steps=3, initial_step=0, grad_accum=1,
-                        log_every=2, endpoint=endpoint)
+    report = StepReport(one_process(), FlopCounter(TINY), tmp_path, total_steps=3, initial_step=0, log_every=2,
+                        endpoint=endpoint)
     for step in (1, 2, 3):
         report.micro_batch(torch.tensor(1.5), {"attention_mask": torch.tensor([[1, 1, 1, 0]])})
         report.optimizer_step(step, epoch=0, lr=1e-3)

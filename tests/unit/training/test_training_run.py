@@ -73,9 +73,9 @@ def test_describe_eval():
 
 @pytest.mark.parametrize(("examples", "world", "grad_accum", "epochs", "max_steps", "per_epoch", "total"), [
     (10, 1, 1, 1, 0, 5, 5),     # 5 micro-batches of 2
-    (10, 2, 1, 3, 0, 3, 9),     # ceil(5 / 2) = 3 per rank: the last batch is split unevenly, still a step
-    (10, 2, 2, 3, 0, 1, 3),     # 3 // 2: the remainder micro-batch makes no optimizer step
-    (10, 1, 2, 4, 5, 2, 5),     # max_steps caps 8
+    (10, 2, 1, 3, 0, 2, 6),     # global batches of 4: the last 2 examples make no step (no repeats to fill it)
+    (10, 2, 2, 3, 0, 1, 3),     # global batches of 8
+    (11, 1, 2, 4, 5, 2, 5),     # max_steps caps 8
     (10, 1, 2, 4, 20, 2, 8),    # max_steps above the plan changes nothing
     (10, 1, 1, 2, None, 5, 10),
 ])
@@ -91,7 +91,7 @@ def test_no_full_step_names_the_numbers_and_the_flags():
     run.accelerator = Processes(2)
     with pytest.raises(ConfigError, match=r"^10 training examples make no full optimizer step of 2 x 4 x 2 "
                                           r"processes; lower --micro-batch-size or --grad-accum, or add data\.$"):
-        run.plan_steps(loader(10, 2))  # ceil(5 / 2) = 3 micro-batches per rank < 4
+        run.plan_steps(loader(10, 2))  # a global batch of 16
 
 
 # ---- partitions ----
