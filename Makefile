@@ -4,6 +4,9 @@
 
 PYTHON ?= python3
 VENV := .venv
+# The tools over this repository (finetune_tools: planner, results, GPU check, README blocks) run from the
+# checkout; no recipe imports them, and `pip install .` installs the runtime package alone.
+TOOLS := $(CURDIR)/shared/tools
 NOX := $(VENV)/bin/nox
 
 NUM_GPUS ?= 8
@@ -126,7 +129,7 @@ recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=.
 # (a tiny width on CPU), with a summary table; needs the pinned stack installed (as for the recipes).
 GPU_CHECK_ARGS ?=
 gpu-check: ## every recipe on one GPU: real shapes, tokens/s, MFU, memory vs the planner (GPU_CHECK_ARGS=...)
-	$(PYTHON) -m finetune_kit.gpu_check --out "$(CURDIR)/out/gpu-check" $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.gpu_check --out "$(CURDIR)/out/gpu-check" $(GPU_CHECK_ARGS)
 
 # Wheels of the whole pinned stack (DeepSpeed built as a wheel) for hosts without a package index;
 # install there with `bash docker/install-python-deps.sh --wheelhouse DIR [--keep-torch]`.
@@ -142,9 +145,9 @@ HAVE ?= docker/gpu-host-packages.txt
 gpu-bundle: $(NOX) ## wheels a GPU host with its own torch lacks (HAVE=host-freeze.txt, GPU_BUNDLE=dir, CUDA=130)
 	$(NOX) -s gpu-bundle -- --have "$(abspath $(HAVE))" --cuda $(CUDA) "$(GPU_BUNDLE)"
 
-# The memory planner is plain Python (no torch, no GPU): it runs from the source tree.
+# The planner is plain Python (no torch, no GPU): it runs from the source tree, runtime and tools.
 RECIPE ?= llama3-8b-zero3
-PLAN := PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.planning
+PLAN := PYTHONPATH=$(CURDIR)/shared:$(TOOLS) $(PYTHON) -m finetune_tools.planning
 
 # NODES is also the monitoring targets' host list (below): a number only when given on the command line.
 plan_nodes = $(if $(filter command line,$(origin NODES)),$(NODES),1)
@@ -156,7 +159,7 @@ plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIP
 
 # The generated blocks of recipes/*/README.md (memory tables, DeepSpeed knobs), from the files they name.
 readmes: ## regenerate the recipe READMEs' generated tables (memory plan, DeepSpeed knobs)
-	PYTHONPATH=$(CURDIR)/shared $(PYTHON) -m finetune_kit.repo readmes
+	PYTHONPATH=$(CURDIR)/shared:$(TOOLS) $(PYTHON) -m finetune_tools.repo readmes
 
 memory-tables: readmes ## alias of readmes
 

@@ -12,7 +12,8 @@
 The sessions that train (unit, every recipe, demo) share one environment, ``.nox/stack``: the
 pinned stack (docker/requirements.txt + requirements-dev.txt), built once and rebuilt only when
 a lock file changes, with DeepSpeed's CPU ops compiled once into it. Each session reinstalls the
-shared package as a user would (a regular, non-editable install).
+runtime package (finetune_kit) and the tools over the repository (finetune_tools, shared/tools) as a
+user would (regular, non-editable installs).
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def stack(session: nox.Session) -> dict[str, str]:
         session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", env=env, external=True)
         stamp.write_text(digest)
     installed, source = STACK / "package.sha256", package_digest()
-    if not installed.is_file() or installed.read_text() != source:  # once per change of the package's files
+    if not installed.is_file() or installed.read_text() != source:  # once per change of the packages' files
         session.run(str(STACK / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
-                    str(ROOT), env=env, external=True)
+                    str(ROOT), str(ROOT / "shared/tools"), env=env, external=True)
         installed.write_text(source)
     return env
 
@@ -63,6 +64,7 @@ def package_digest() -> str:
     so none rewrites it under another still running (make test builds the images alongside)."""
     files = [ROOT / "pyproject.toml", ROOT / "README.md",
              *(f for f in sorted((ROOT / "shared").rglob("*")) if f.is_file() and "__pycache__" not in f.parts
+               and "build" not in f.relative_to(ROOT).parts  # pip's in-tree build of shared/tools
                and not any(part.endswith(".egg-info") for part in f.parts))]
     digest = hashlib.sha256()
     for f in files:
@@ -210,8 +212,8 @@ def lock(session: nox.Session) -> None:
     TORCH_CPU_WHEELS=DIR takes the CPU torch wheel from a folder)."""
     session.install("-c", "docker/requirements-dev.txt", "uv")
     session.run("bash", "docker/lock.sh", external=True)
-    session.run("python", "-c", "import sys; sys.path.insert(0, 'shared'); "
-                "from finetune_kit.repo.__main__ import main; sys.exit(main(['pins']))")
+    session.run("python", "-c", "import sys; sys.path[:0] = ['shared', 'shared/tools']; "
+                "from finetune_tools.repo.__main__ import main; sys.exit(main(['pins']))")
 
 
 @nox.session(default=False, venv_backend="none")
@@ -221,7 +223,7 @@ def demo(session: nox.Session) -> None:
     python = str(STACK / "bin/python")
     model = ROOT / "build/tiny-llama3"
     if not (model / "config.json").is_file():
-        session.run(python, "-m", "finetune_kit.models.tiny", "--family", "llama3", "--out", str(model), env=env,
+        session.run(python, "-m", "finetune_tools.tiny_models", "--family", "llama3", "--out", str(model), env=env,
                     external=True)
     output = ROOT / "out/demo/llama3-8b-zero3"
     if output.exists():
@@ -243,7 +245,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(default=False)
 def results(session: nox.Session) -> None:
     """Regenerate results/README.md and throughput.png from published.csv and the run records
-    (needs only pydantic and matplotlib, pinned by the same lock files)."""
+    (needs only pydantic and matplotlib, pinned by the same lock files; no torch)."""
     session.install("-c", "docker/requirements.txt", "-c", "docker/requirements-dev.txt", "pydantic", "matplotlib")
-    session.install("--no-deps", "--force-reinstall", str(ROOT))
-    session.run("python", "-m", "finetune_kit.results", *session.posargs)
+    session.install("--no-deps", "--force-reinstall", str(ROOT), str(ROOT / "shared/tools"))
+    session.run("python", "-m", "finetune_tools.results", *session.posargs)

@@ -38,8 +38,8 @@ RECIPE = ROOT / "recipes/llama3-8b-zero3"
 
 
 def conversations(path: Path, n: int) -> Path:
-    sys.path.insert(0, str(ROOT / "shared/finetune_kit/data/samples"))
-    from generate_formats import conversation, pairs
+    sys.path.insert(0, str(ROOT / "shared/tools"))
+    from finetune_tools.samples.formats import conversation, pairs
 
     rng, pool = random.Random(0), pairs()
     with path.open("w") as f:
@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=200_000)
     p.add_argument("--out", type=Path, default=ROOT / "results/benchmarks/time-to-first-step.json")
     args = p.parse_args()
-    from finetune_kit.models.tiny import build_tiny
+    from finetune_tools.tiny_models import build_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

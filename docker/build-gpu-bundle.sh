@@ -3,16 +3,16 @@
 #   bash docker/build-gpu-bundle.sh [--have FREEZE | --host-python PY] [--cuda 130] [--python 3.12] [DIR]
 #   (make gpu-bundle HAVE=host-packages.txt; DIR: gpu-bundle/)
 # FREEZE is the host's `python3 -m pip list --format=freeze`; without one, docker/gpu-host-packages.txt
-# (the image of the H100/H200 hosts results/ was measured on). `python -m finetune_kit.gpu_check.bundle`
+# (the image of the H100/H200 hosts results/ was measured on). `python -m finetune_tools.gpu_check.bundle`
 # picks the pinned packages (docker/requirements.txt) the host lacks or has too old for the recipes,
 # walking their requirements; it needs the pinned stack installed (make gpu-bundle runs it in nox's).
 # DeepSpeed comes as a pure-Python wheel built from its sdist (DS_BUILD_OPS=0: its ops compile on the
-# host at first use; `python -m finetune_kit.gpu_check` starts that compile beside the model builds),
+# host at first use; `python -m finetune_tools.gpu_check` starts that compile beside the model builds),
 # bitsandbytes with only its CPU library and the one for the host's CUDA (--cuda 130 for CUDA 13.0).
 # About 23 MB for the default host. On the host, from the repository root:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
-#   export PYTHONPATH=/tmp/site:$PWD/shared PATH=/tmp/site/bin:$PATH
-#   python3 -m finetune_kit.gpu_check --no-save --case-timeout 300
+#   export PYTHONPATH=/tmp/site:$PWD/shared:$PWD/shared/tools PATH=/tmp/site/bin:$PATH
+#   python3 -m finetune_tools.gpu_check --no-save --case-timeout 300
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cuda=130 python="" out=gpu-bundle host=(--have "$here/gpu-host-packages.txt")
@@ -29,7 +29,7 @@ while (($#)); do
   shift
 done
 mkdir -p "$out"
-mapfile -t pkgs < <(PYTHONPATH="$here/../shared${PYTHONPATH:+:$PYTHONPATH}" python -m finetune_kit.gpu_check.bundle \
+mapfile -t pkgs < <(PYTHONPATH="$here/../shared:$here/../shared/tools${PYTHONPATH:+:$PYTHONPATH}" python -m finetune_tools.gpu_check.bundle \
                       "${host[@]}" ${python:+--python "$python"} 2> "$out/why.txt") \
   || { cat "$out/why.txt" >&2; exit 2; }
 cat "$out/why.txt" >&2

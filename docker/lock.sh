@@ -6,7 +6,7 @@
 # (or the CPU wheel source) has for that version, for `pip install --require-hashes`.
 #   bash docker/lock.sh                        needs uv (pinned in requirements-dev.txt) and the index
 #   TORCH_CPU_WHEELS=DIR bash docker/lock.sh   CPU torch wheels from a folder instead of PyTorch's index
-# The pins stay the one place to change a version; `python -m finetune_kit.repo pins` (run by the unit
+# The pins stay the one place to change a version; `python -m finetune_tools.repo pins` (run by the unit
 # tests) fails when a lock, a Dockerfile or noxfile.py disagrees with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."

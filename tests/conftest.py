@@ -28,14 +28,14 @@ def token_cache_of_this_session(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama3(tmp_path_factory) -> Path:
-    from finetune_kit.models.tiny import build_tiny
+    from finetune_tools.tiny_models import build_tiny
 
     return build_tiny("llama3", tmp_path_factory.mktemp("models") / "tiny-llama3")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama2(tmp_path_factory) -> Path:
-    from finetune_kit.models.tiny import build_tiny
+    from finetune_tools.tiny_models import build_tiny
 
     return build_tiny("llama2", tmp_path_factory.mktemp("models") / "tiny-llama2")
 

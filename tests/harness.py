@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_kit.gpu_check.runner import free_port  # noqa: F401  (re-exported for the recipe tests)
+from finetune_tools.gpu_check.runner import free_port  # noqa: F401  (re-exported for the recipe tests)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "shared/finetune_kit/data/samples"

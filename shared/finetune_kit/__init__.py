@@ -1,17 +1,18 @@
-"""Shared code of the fine-tuning recipes. Each folder answers one question:
+"""What a recipe imports when it runs. Each folder answers one question:
 
     data/       what the model reads: instruction rows (prompt masking, packing), review CSVs, samples
-    models/     shapes from a config (no weights), loading with a real pad token, tiny test models, QLoRA
+    models/     shapes from a config (no weights), loading with a real pad token, QLoRA, the loss and
+                attention kernels, activation offload, compiled layers
     launch/     what the launcher set up: its environment, the launched configs' checks, the Accelerator,
                 multi-node preflight and handshake
+    planning/   will it fit? the memory formulas every launch checks before it loads anything
+    metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl, the run record
     training/   a run from preflight to records: the checks, the loop around the recipe's body (or the
                 metered HF Trainer's), checkpoints and resharding, the final model, the shared flags
-    metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl
-    planning/   will it fit? memory per GPU and per node before launch (python -m finetune_kit.planning)
-    gpu_check/  every recipe's code path on the real shapes on one GPU, tiny on CPU (python -m finetune_kit.gpu_check)
-    results/    run records and the results/ page built from them (python -m finetune_kit.results)
-    repo/       repository tooling: the generated README blocks (python -m finetune_kit.repo readmes)
+    check.py    ``python -m finetune_kit.check``: a launch's inputs checked once, before any rank starts
 
+The tools that work on the repository (the speed model, the results page, the GPU check, the README
+blocks, the tiny test models) are the second package, ``finetune_tools`` (shared/tools/).
 A recipe needs a handful of names, importable from here without loading torch until used.
 """
 

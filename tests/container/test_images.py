@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from finetune_kit.repo.pins import read_pins
+from finetune_tools.repo.pins import read_pins
 from tests.container import images
 from tests.container import podman as pm
 from tests.harness import REPO, SAMPLES, assert_matches_golden, losses
@@ -79,7 +79,7 @@ def container_run(env, recipe_image, tmp_path_factory):
     model and data mounted read-only, the output folder and the Hugging Face cache writable by the
     image's user, DeepSpeed's JIT cache pointed into the output to show that nothing lands there.
     No GPU flags here, and no --ulimit: this host's root may not raise the limits they set."""
-    from finetune_kit.models.tiny import build_tiny
+    from finetune_tools.tiny_models import build_tiny
 
     model = build_tiny("llama3", tmp_path_factory.mktemp("models") / "tiny-llama3")
     subprocess.run(["chmod", "-R", "a+rX", str(model)], check=True)

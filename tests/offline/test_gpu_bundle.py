@@ -101,7 +101,8 @@ def test_bitsandbytes_carries_only_its_cpu_and_one_cuda_library(host):
 
 
 def test_the_gpu_check_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{host['site']}{os.pathsep}{REPO / 'shared'}",
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(map(str, (host["site"], REPO / "shared", REPO / "shared/tools"))),
            "PATH": f"{host['site'] / 'bin'}{os.pathsep}{host['python'].parent}{os.pathsep}{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1"}
     env.pop("VIRTUAL_ENV", None)
@@ -110,7 +111,7 @@ def test_the_gpu_check_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path)
                            capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
     assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
     assert where[2].startswith(str(host["site"]))
-    proc = subprocess.run([str(host["python"]), "-m", "finetune_kit.gpu_check", "--tiny", "--no-save",
+    proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--tiny", "--no-save",
                            "--cases", "llama3-8b-zero3,llama3-70b-qlora", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from finetune_kit.gpu_check.cases import BY_NAME
-from finetune_kit.gpu_check.synthetic import check_shape
+from finetune_tools.gpu_check.cases import BY_NAME
+from finetune_tools.gpu_check.synthetic import check_shape
 from tests.harness import REPO, launch_env
 
 pytestmark = pytest.mark.recipe
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.recipe
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu-check")
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.gpu_check", "--tiny", "--no-save", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.gpu_check", "--tiny", "--no-save", "--out", str(out)],
                           cwd=REPO,
                           capture_output=True, text=True, timeout=1800, env=launch_env())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -45,7 +45,7 @@ def test_every_case_runs_except_fp16_on_cpu(summary):
 
 
 def test_records_describe_the_model_that_ran(summary):
-    from finetune_kit.results.record import RunRecord
+    from finetune_kit.metering.run_record import RunRecord
 
     for row in summary["cases"]:
         if row["status"] != "ok":

@@ -158,8 +158,8 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
 def test_run_record_describes_the_run(run, run_info, tiny_llama2):
     from transformers import AutoConfig
 
+    from finetune_kit.metering.run_record import RunRecord
     from finetune_kit.models import shapes
-    from finetune_kit.results.record import RunRecord
 
     rec = RunRecord.read(run / "run_record.json")
     arch = shapes.from_config(AutoConfig.from_pretrained(tiny_llama2))
@@ -296,7 +296,7 @@ def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, 
     the four single-process launches run side by side (most of each is interpreter start-up). The chat
     one also reports to TensorBoard through the Trainer's --report_to; the alpaca one serves Prometheus
     metrics (tests/recipes/test_live_metrics.py scrapes the accelerate loop's)."""
-    from finetune_kit.results.record import RunRecord
+    from finetune_kit.metering.run_record import RunRecord
 
     tracked = {"chat": ("--report_to", "tensorboard")}
     served = {"alpaca": {"FINETUNE_METRICS_PORT": str(free_port()), "FINETUNE_METRICS_ADDR": "127.0.0.1"}}

@@ -148,8 +148,8 @@ def test_run_record_counts_frozen_base_flops(run, run_info, tiny_llama3):
     from transformers import AutoConfig
 
     from finetune_kit.metering.flops import FlopCounter
+    from finetune_kit.metering.run_record import RunRecord
     from finetune_kit.models import shapes
-    from finetune_kit.results.record import RunRecord
 
     rec = RunRecord.read(run / "run_record.json")
     classes = run_info["details"]["parameter_classes"]

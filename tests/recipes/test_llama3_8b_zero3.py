@@ -205,8 +205,8 @@ def test_run_record_describes_the_run(run, tiny_llama3):
     from transformers import AutoConfig
 
     from finetune_kit.metering.flops import FlopCounter
+    from finetune_kit.metering.run_record import RunRecord
     from finetune_kit.models import shapes
-    from finetune_kit.results.record import RunRecord
 
     rec = RunRecord.read(run / "run_record.json")
     assert rec.recipe == "llama3-8b-zero3"
@@ -293,7 +293,7 @@ def test_zero3_and_fsdp2_train_alike(run, fsdp_run):
 
 
 def test_fsdp2_shards_parameters_and_records_the_engine(fsdp_run, tiny_llama3):
-    from finetune_kit.results.record import RunRecord
+    from finetune_kit.metering.run_record import RunRecord
 
     info = read_run_info(fsdp_run)
     assert (info["engine"], info["zero_stage"], info["precision"], info["deepspeed_config"]) == ("fsdp2", 3, "bf16", "")
@@ -393,7 +393,7 @@ def test_packed_rows_train_the_same_through_sdpas_block_mask(recipe_copy, tiny_l
 
 def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
     from finetune_kit import data, models
-    from finetune_kit.results.record import RunRecord
+    from finetune_kit.metering.run_record import RunRecord
 
     output, stdout = chat_run
     rec = RunRecord.read(output / "run_record.json")

@@ -35,7 +35,7 @@ STEPS, SAVE_EVERY = 8, 4
 
 @pytest.fixture(scope="module")
 def swapped_model(tmp_path_factory) -> Path:
-    from finetune_kit.models.tiny import build_tiny
+    from finetune_tools.tiny_models import build_tiny
 
     return build_tiny("llama3", tmp_path_factory.mktemp("models") / "llama3-h128", hidden_size=128)
 

@@ -1,2 +1,2 @@
-"""Will it fit? Memory per GPU and per node before launch: formulas (:mod:`.memory`) and the command
-line (:mod:`.cli`, run as ``python -m finetune_kit.planning``). Needs no torch."""
+"""Will it fit? Memory per GPU and per node before launch (:mod:`.memory`): every recipe checks its launch
+with it; ``make plan`` (finetune_tools.planning) prints it. Needs no torch."""

@@ -3,7 +3,7 @@
 :class:`RunBase` holds the :class:`~finetune_kit.training.preflight.Preflight` the launch passed,
 the data split, the evaluations, the metering, and :meth:`RunBase.finish`: evaluate (when not
 done per epoch), write ``run_record.json`` and ``run_info.json``
-(:mod:`finetune_kit.results.record`), print the summary line and leave the process group.
+(:mod:`finetune_kit.metering.run_record`), print the summary line and leave the process group.
 :class:`~finetune_kit.training.run.TrainingRun` (a recipe's own loop under accelerate) and
 :class:`~finetune_kit.training.trainer_run.TrainerRun` (the HF Trainer's loop) build on it.
 """
@@ -107,8 +107,8 @@ class RunBase:
         from accelerate.utils import gather_object
 
         from finetune_kit.metering import peak_memory
+        from finetune_kit.metering import run_record as record
         from finetune_kit.models import chunked_loss
-        from finetune_kit.results import record
         from finetune_kit.training.partitions import rank_report
 
         acc, checked = self.accelerator, self.checked

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_kit.gpu_check import bundle
-from finetune_kit.repo.pins import read_pins
+from finetune_tools.gpu_check import bundle
+from finetune_tools.repo.pins import read_pins
 from tests.harness import REPO
 
 PINS = read_pins(REPO / "docker/requirements.txt")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune_kit.gpu_check import ablation
-from finetune_kit.gpu_check.cases import BY_NAME, CASES, recipe_flags
-from finetune_kit.gpu_check.synthetic import build_model, check_config, check_shape, write_data
 from finetune_kit.launch import cuda_ops
 from finetune_kit.models.shapes import from_config, resolve_model
+from finetune_tools.gpu_check import ablation
+from finetune_tools.gpu_check.cases import BY_NAME, CASES, recipe_flags
+from finetune_tools.gpu_check.synthetic import build_model, check_config, check_shape, write_data
 from tests.harness import REPO, load_script
 
 
@@ -109,7 +109,7 @@ def test_ablation_speedups_are_against_each_cases_first_finished_row():
 
 def _stub_case(name: str, script: str):
     """A case whose "launcher" is a shell running ``script`` (train.py and its flags become ignored arguments)."""
-    from finetune_kit.gpu_check.cases import Case
+    from finetune_tools.gpu_check.cases import Case
 
     return Case(name, "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=1, seq_len=16, micro_batch=1,
                 launcher=("bash", "-c", script, "stub"))
@@ -118,7 +118,7 @@ def _stub_case(name: str, script: str):
 def test_a_case_past_its_time_limit_is_stopped_with_its_children(tmp_path):
     import time
 
-    from finetune_kit.gpu_check.runner import run_case
+    from finetune_tools.gpu_check.runner import run_case
 
     marker = tmp_path / "child-alive"
     # the launcher starts a child that would outlive it; the whole session must go
@@ -133,7 +133,7 @@ def test_a_case_past_its_time_limit_is_stopped_with_its_children(tmp_path):
 def test_a_failed_case_and_a_missing_launcher_are_rows_not_crashes(tmp_path):
     from dataclasses import replace
 
-    from finetune_kit.gpu_check.runner import run_case
+    from finetune_tools.gpu_check.runner import run_case
 
     failed = run_case(_stub_case("fails", "echo boom; exit 3"), REPO, tmp_path, tmp_path / "m", layers=1, steps=1,
                       seq_len=16, micro_batch=1)
@@ -216,7 +216,7 @@ def test_preflight_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
     from transformers import PreTrainedModel
 
-    from finetune_kit.gpu_check import preflight
+    from finetune_tools.gpu_check import preflight
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no accelerate, deepspeed, c++ or g++
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
@@ -237,7 +237,7 @@ def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
     import os
     import sys
 
-    from finetune_kit.gpu_check import preflight
+    from finetune_tools.gpu_check import preflight
 
     # the stack's launchers live beside its Python
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
@@ -247,7 +247,7 @@ def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
 
 def test_a_librarys_own_requirements_are_checked_against_what_is_installed(monkeypatch):
     """An image's older pyarrow under the pinned datasets: named with both versions."""
-    from finetune_kit.gpu_check import preflight
+    from finetune_tools.gpu_check import preflight
 
     real = preflight.metadata.requires
     monkeypatch.setattr(preflight.metadata, "requires",

@@ -11,7 +11,8 @@ import pytest
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import fsdp
 from finetune_kit.models.shapes import resolve_model
-from finetune_kit.planning import cli, memory, recipe_tables
+from finetune_kit.planning import memory
+from finetune_tools.planning import cli, recipe_tables
 from tests.harness import REPO
 
 RECIPE = REPO / "recipes/llama3-8b-zero3"

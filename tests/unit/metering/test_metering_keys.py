@@ -3,8 +3,8 @@
 from dataclasses import fields
 
 from finetune_kit.metering import keys, peak_memory
+from finetune_kit.metering.run_record import Measured
 from finetune_kit.metering.throughput import StepRate
-from finetune_kit.results.record import Measured
 
 
 def test_peak_memory_reports_host_rss_in_gib():

@@ -1,7 +1,7 @@
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from finetune_kit.models.tiny import build_tiny
+from finetune_tools.tiny_models import build_tiny
 
 
 def test_llama3_shape(tiny_llama3):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from finetune_kit.metering.run_record import RunRecord
 from finetune_kit.planning.memory import CUDA_CONTEXT_GIB
-from finetune_kit.results.record import RunRecord
 from tests.harness import REPO
 
 # the spread of NVML-used minus torch-reserved across those runs is 0.4 GiB; half a GiB either way

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from finetune_kit.models.shapes import Adapter, resolve_model
-from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
-from finetune_kit.planning.speed import (
+from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
+from finetune_tools.planning.speed import (
     Cluster,
     Efficiency,
     Job,
@@ -102,7 +102,7 @@ def test_the_held_out_error_sees_a_run_the_model_cannot_explain():
 
 
 def test_the_runs_in_results_are_predicted_within_the_error_the_results_page_states():
-    from finetune_kit.results import calibration
+    from finetune_tools.results import calibration
 
     rows = calibration.published_observations(REPO / "results/published.csv") \
         + calibration.measured_observations(REPO / "results/runs")
@@ -123,7 +123,7 @@ def run_planner(*argv: str) -> str:
     import contextlib
     import io
 
-    from finetune_kit.planning.cli import main
+    from finetune_tools.planning.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_kit.repo import pins
+from finetune_tools.repo import pins
 from tests.harness import REPO
 
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from finetune_kit.errors import UserInputError
-from finetune_kit.repo import readmes
-from finetune_kit.repo.__main__ import main
-from finetune_kit.repo.paths import find_root
+from finetune_tools.paths import find_root
+from finetune_tools.repo import readmes
+from finetune_tools.repo.__main__ import main
 from tests.harness import REPO
 
 RECIPES = sorted(p.parent for p in (REPO / "recipes").glob("*/train.py"))
@@ -119,13 +119,13 @@ def test_find_root_from_a_subfolder_and_from_outside(tmp_path, monkeypatch):
 
 
 def test_command_line_from_a_recipe_folder():
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.repo", "readmes", "--check"],
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.repo", "readmes", "--check"],
                           cwd=REPO / "recipes/llama3-8b-zero3", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "generated blocks are current" in proc.stdout
 
 
 def test_command_line_outside_the_repository_says_how_to_fix_it(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.repo", "readmes", "--check"],
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.repo", "readmes", "--check"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "--root" in proc.stderr

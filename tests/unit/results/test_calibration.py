@@ -2,8 +2,8 @@
 
 import json
 
-from finetune_kit.planning.speed import Efficiency
-from finetune_kit.results import calibration
+from finetune_tools.planning.speed import Efficiency
+from finetune_tools.results import calibration
 from tests.harness import REPO
 
 

@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from finetune_kit.results import report
+from finetune_tools.results import report
 from tests.harness import REPO
-from tests.unit.results.test_run_record import a_record
+from tests.unit.metering.test_run_record import a_record
 
 RESULTS = REPO / "results"
 

@@ -1,2 +1,0 @@
-"""Repository tooling: where the repository is (:mod:`.paths`), the generated README blocks (:mod:`.readmes`),
-whether the pins, the hash locks and the Dockerfiles agree (:mod:`.pins`)."""

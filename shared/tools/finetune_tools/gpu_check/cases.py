@@ -1,0 +1,70 @@
+"""The cases of the GPU check: each recipe's own train.py and configs, as its README launches them.
+
+Against the README commands only the model (the real architecture truncated to ``layers``), the
+data (synthetic, every sequence full), the number of processes (one GPU), the step count and the
+sizes change; checkpoints are off (``--save-every 0``, ``--save_strategy no``: a truncated 8B's
+optimizer states are tens of GB of disk per case); ``--no-save`` also skips the final model or adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    recipe: str  # folder under recipes/
+    arch: str  # known architecture (finetune_kit.models.shapes.KNOWN_MODELS)
+    family: str  # tokenizer family of finetune_tools.tiny_models: llama3 | llama2
+    data: str  # instructions | reviews
+    layers: int  # decoder layers on a GPU: what fits one 80 GB GPU with room to spare
+    seq_len: int
+    micro_batch: int
+    trainer: bool = False  # HF Trainer flags (--max_steps, ...) instead of the accelerate recipes' flags
+    launcher: tuple[str, ...] = ()  # before train.py; {port} is filled with a free port
+    flags: tuple[str, ...] = ()  # case-specific recipe flags
+    gpu_only: str = ""  # why the case cannot run on a CPU ("" when it can)
+    method: str = "full"
+    extra: dict = field(default_factory=dict)
+
+
+ACCELERATE_1GPU = ("accelerate", "launch", "--num_processes", "1", "--main_process_port", "{port}")
+CASES = [
+    Case("llama3-8b-zero3", "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8, seq_len=4096,
+         micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3.yaml")),
+    Case("llama3-8b-zero3-offload", "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8,
+         seq_len=4096, micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3-offload.yaml")),
+    Case("llama3-8b-zero3-fsdp2", "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8, seq_len=4096,
+         micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/fsdp2.yaml")),
+    Case("llama2-13b-zero2-bf16", "llama2-13b-zero2", "llama2-13b", "llama2", "instructions", layers=4,
+         seq_len=4096, micro_batch=2, trainer=True,
+         launcher=("deepspeed", "--num_gpus", "1", "--master_port", "{port}"),
+         flags=("--deepspeed", "configs/zero2.json")),
+    Case("llama2-13b-zero2-fp16", "llama2-13b-zero2", "llama2-13b", "llama2", "instructions", layers=4,
+         seq_len=4096, micro_batch=2, trainer=True,
+         launcher=("deepspeed", "--num_gpus", "1", "--master_port", "{port}"),
+         flags=("--deepspeed", "configs/zero2-fp16.json"),
+         gpu_only="DeepSpeed has no fp16 on CPU (\"Type fp16 is not supported on your device\")"),
+    Case("llama3-70b-qlora", "llama3-70b-qlora", "llama3.3-70b", "llama3", "reviews", layers=4, seq_len=2048,
+         micro_batch=4, method="qlora",
+         launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3-main.yaml", "--num_machines", "1",
+                   "--machine_rank", "0", "--main_process_ip", "127.0.0.1")),
+]
+BY_NAME = {case.name: case for case in CASES}
+
+
+def recipe_flags(case: Case, *, model: str, data: str, output: str, steps: int, seq_len: int,
+                 micro_batch: int, grad_accum: int = 1, save: bool = True) -> list[str]:
+    """The recipe's command-line flags for one check run (``save=False``: no final model either)."""
+    if case.trainer:
+        return [*case.flags, "--model", model, "--data", data, "--output_dir", output, "--max_seq_len", str(seq_len),
+                "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", str(grad_accum),
+                "--max_steps", str(steps), "--save_strategy", "no", "--eval_fraction", "0", "--logging_steps", "1",
+                *([] if save else ["--save_model", "false"])]
+    flags = [*case.flags, "--model", model, "--data", data, "--output", output, "--max-seq-len", str(seq_len),
+             "--micro-batch-size", str(micro_batch), "--grad-accum", str(grad_accum), "--max-steps", str(steps),
+             "--save-every", "0", *([] if save else ["--no-save-model"])]
+    # the classifier holds out a share of the reviews and validates once at the end; the instruction
+    # recipe's validation would add nothing to a throughput check
+    return flags + (["--eval-fraction", "0.1"] if case.data == "reviews" else ["--eval-fraction", "0"])

@@ -1,0 +1,320 @@
+"""Run the GPU check: every case, its run record, and a summary table; any failure fails the command.
+
+    python -m finetune_tools.gpu_check                      # every case on this GPU (CPU: tiny width)
+    python -m finetune_tools.gpu_check --cases llama3-8b-zero3 --layers 4 --steps 8
+    python -m finetune_tools.gpu_check --tiny               # the CPU version (part of make test)
+    python -m finetune_tools.gpu_check --no-save --case-timeout 300   # no final saves; stop a hung case
+
+The models are built first, each in a process of its own (nothing holds GPU memory while a case
+trains), while DeepSpeed's fused and CPU Adam compile side by side in two others; ``summary.json``
+is rewritten after every case, so a crashed or timed-out case keeps the others' rows.
+
+Each case's outputs go to ``--out/<case>/`` (its log in ``run.log``); its run record is copied to
+``--out/records/<case>.json``, ready for ``results/runs/``; ``--out/summary.json`` and the printed
+table hold tokens/s per GPU, model TFLOP/s and MFU of the model that ran, the planner's predicted
+peak next to the measured one, the time each case took and the library versions used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from finetune_tools.gpu_check import ablation, preflight
+from finetune_tools.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
+from finetune_tools.gpu_check.synthetic import SHORT_PER_ROW, build_model, check_shape, write_data
+from finetune_tools.paths import find_root
+from finetune_tools.tables import text_table
+
+# accumulation 4: the recipes' default, and on one H100 1.6x the tokens/s of 1 (results/, lever table)
+GPU_DEFAULTS = {"steps": 8, "grad_accum": 4}
+TINY = {"layers": 2, "seq_len": 64, "micro_batch": 2, "steps": 4, "grad_accum": 1}
+# DeepSpeed's JIT ops the cases use on a GPU, each compiled in a process of its own (side by side, beside
+# the model builds; one after the other they took 84-105 s on an H100 host): fused Adam (GPU-resident
+# optimizer), CPU Adam (offload)
+OPS = {name: f"from deepspeed.ops.op_builder import {builder}; {builder}().load()"
+       for name, builder in (("fused_adam", "FusedAdamBuilder"), ("cpu_adam", "CPUAdamBuilder"))}
+
+
+def gpu_memory() -> dict | None:
+    """Name, total and free memory of GPU 0 read through NVML: no CUDA context in this process."""
+    from finetune_kit.launch import gpus
+
+    info = gpus.nvml_memory_GiB(0)
+    return info and {"name": info["name"], "total_GiB": round(info["total"], 2), "free_GiB": round(info["free"], 2)}
+
+
+def model_folder(out: Path, arch: str, layers: int, tiny: bool) -> Path:
+    return out / "models" / (f"{arch}-{layers}-layers" + ("-tiny" if tiny else ""))
+
+
+def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path]:
+    """Every case's model, each built in a process of its own: whatever GPU memory the random init
+    took goes back to the driver when that process ends, before any case trains."""
+    ctx = multiprocessing.get_context("spawn")
+    paths = {}
+    for arch, family, layers in specs:
+        folder = model_folder(out, arch, layers, tiny)
+        start = time.monotonic()
+        proc = ctx.Process(target=build_model, args=(arch, family, layers, folder), kwargs={"tiny": tiny})
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"building the {arch} model ({layers} layers) failed with exit code {proc.exitcode}")
+        print(f"model {folder.name}: {time.monotonic() - start:.0f} s", flush=True)
+        paths[(arch, family, layers)] = folder
+    return paths
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous (29500 may be taken)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, steps: int, seq_len: int,
+             micro_batch: int, grad_accum: int = 1, save: bool = True, timeout: float | None = None,
+             extra: tuple[str, ...] = (), name: str | None = None, data: str | None = None) -> dict:
+    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out").
+    ``name`` (default: the case's) names the output folder and the record; ``data`` (default: the
+    case's) the kind of synthetic data."""
+    name = name or case.name
+    row = {"case": case.name, "recipe": case.recipe, "layers": layers, "seq_len": seq_len,
+           "micro_batch": micro_batch, "grad_accum": grad_accum, "steps": steps}
+    if name != case.name:
+        row = {"run": name, **row}
+    if extra:
+        row["extra_flags"] = list(extra)
+    kind = data or case.data
+    if kind != case.data:
+        row["data"] = kind
+    suffix = "csv" if kind == "reviews" else "jsonl"
+    rows = steps * micro_batch * grad_accum * 2 + 8  # enough for every step and a held-out share
+    rows *= SHORT_PER_ROW if kind == "short-instructions" else 1  # packed: several examples per sequence
+    data = write_data(kind, out / "data" / f"{kind}-{seq_len}-{rows}.{suffix}", rows=rows, seq_len=seq_len)
+    output = out / name
+    shutil.rmtree(output, ignore_errors=True)
+    output.mkdir(parents=True)
+    launcher = [part.format(port=free_port()) for part in case.launcher]
+    cmd = [*launcher, "train.py", *recipe_flags(case, model=str(model), data=str(data), output=str(output),
+                                                  steps=steps, seq_len=seq_len, micro_batch=micro_batch,
+                                                  grad_accum=grad_accum, save=save),
+           *extra]
+    if shutil.which(cmd[0]) is None:
+        print(f"-- {name}: the launcher {cmd[0]!r} is not on PATH", flush=True)
+        return {**row, "status": "failed", "error": f"launcher {cmd[0]!r} not on PATH"}
+    free = gpu_memory()
+    if free:
+        row["gpu_free_GiB_before"] = free["free_GiB"]
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    with (output / "run.log").open("w") as log:
+        # a session of its own: a timed-out case is stopped with every process it started
+        proc = subprocess.Popen(cmd, cwd=root / "recipes" / case.recipe, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+    row["seconds"] = round(time.monotonic() - start, 1)
+    record_path = output / "run_record.json"
+    if returncode != 0 or not record_path.is_file():
+        tail = (output / "run.log").read_text()[-3000:]
+        status = "timed out" if returncode is None else "failed"
+        print(f"-- {name} {status} (exit {returncode}, {row['seconds']} s); the end of {output / 'run.log'}:\n"
+              f"{tail}", flush=True)
+        return {**row, "status": status, "exit": returncode}
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    scaler = {k: v for k, v in json.loads(lines[-1]).items() if k in ("loss_scale", "skipped_steps")} if lines else {}
+    return {**row, "status": "ok", **scaler,
+            **record_summary(name, record_path, out / "records" / f"{name}.json")}
+
+
+def record_summary(name: str, record_path: Path, copy_to: Path) -> dict:
+    from finetune_kit.metering.run_record import RunRecord
+
+    record = RunRecord.read(record_path).model_copy(update={"label": f"gpu check: {name}"})
+    record.write(copy_to)
+    m = record.measured
+    error = None
+    if m.predicted_gpu_GiB is not None and m.peak_gpu_reserved_GiB:
+        error = 100 * (m.predicted_gpu_GiB - m.peak_gpu_reserved_GiB) / m.peak_gpu_reserved_GiB
+    return {"model": record.model.architecture, "device": record.hardware.device,
+            "tokens_per_s_per_device": m.tokens_per_s_per_device,
+            "model_tflop_per_s_per_device": m.model_tflop_per_s_per_device, "mfu_percent": m.mfu_percent,
+            "peak_gpu_allocated_GiB": m.peak_gpu_allocated_GiB, "peak_gpu_reserved_GiB": m.peak_gpu_reserved_GiB,
+            "peak_gpu_device_GiB": m.peak_gpu_device_GiB, "step_time_s": m.step_time_s,
+            "peak_host_rss_GiB_per_node": m.peak_host_rss_GiB_per_node, "predicted_gpu_GiB": m.predicted_gpu_GiB,
+            "predicted_minus_reserved_percent": error, "software": record.software.model_dump(),
+            "record": str(copy_to)}
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    header = ["case", "status", "s", "tokens/s/GPU", "TFLOP/s/GPU", "MFU %", "peak alloc GiB", "peak reserved GiB",
+              "device GiB", "predicted GiB", "pred. error %"]
+    ablated = any("speedup" in r for r in rows)
+    if ablated:
+        header[1:1] = ["mb x ga", "speed-up"]
+    body = []
+    for r in rows:
+        line = [r.get("run", r["case"]), r["status"], _fmt(r.get("seconds")), _fmt(r.get("tokens_per_s_per_device"), 0),
+                _fmt(r.get("model_tflop_per_s_per_device"), 3), _fmt(r.get("mfu_percent")),
+                _fmt(r.get("peak_gpu_allocated_GiB")), _fmt(r.get("peak_gpu_reserved_GiB")),
+                _fmt(r.get("peak_gpu_device_GiB")), _fmt(r.get("predicted_gpu_GiB")),
+                _fmt(r.get("predicted_minus_reserved_percent"))]
+        if ablated:
+            line[1:1] = [f"{r.get('micro_batch')} x {r.get('grad_accum')}", _fmt(r.get("speedup"), 2)]
+        body.append(line)
+    return text_table(header, body)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m finetune_tools.gpu_check", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    p.add_argument("--tiny", action="store_true", default=None,
+                   help="tiny width on CPU (the default without a GPU); --no-tiny forces the real width")
+    p.add_argument("--no-tiny", dest="tiny", action="store_false")
+    p.add_argument("--layers", type=int, help="decoder layers of every case (default: each case's own)")
+    p.add_argument("--steps", type=int, help="optimizer steps per case (3 are warm-up; default 8, tiny 4)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: each case's own)")
+    p.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default: each case's own)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 4, tiny 1)")
+    p.add_argument("--ablation", action="store_true",
+                   help="run the speed-lever variants (gpu_check.ablation) instead of the cases")
+    p.add_argument("--variants", default=None, help="with --ablation: comma-separated variant names (default: all)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds after which no further case or variant starts (default: none)")
+    p.add_argument("--no-save", dest="save", action="store_false",
+                   help="skip each case's final model save (the save path is tested on CPU)")
+    p.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is stopped (default: none)")
+    p.add_argument("--extra", default="", help="recipe flags added to every case (e.g. '--no-gradient-checkpointing')")
+    p.add_argument("--out", type=Path, default=Path("out/gpu-check"), help="models, data, outputs, records")
+    p.add_argument("--root", type=Path, default=None, help="repository root (default: found from here)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import shlex
+
+    import torch
+
+    args = parse_args(argv)
+    started = time.monotonic()
+    gpu = torch.cuda.is_available()  # counts devices; creates no CUDA context in this process
+    tiny = (not gpu) if args.tiny is None else args.tiny
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in BY_NAME]
+    variants = []
+    if args.ablation:
+        variants = [ablation.BY_NAME.get(n) or n for n in args.variants.split(",")] if args.variants \
+            else ablation.VARIANTS
+        unknown = [n for n in variants if isinstance(n, str)]
+        names = list(dict.fromkeys(v.case for v in variants if not isinstance(v, str)))
+    if unknown:
+        known = list(ablation.BY_NAME) if args.ablation else list(BY_NAME)
+        print(f"error: unknown {'variant' if args.ablation else 'case'}(s) {unknown}; they are {known}",
+              file=sys.stderr)
+        return 2
+    root = find_root(args.root)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    info = gpu_memory() if gpu else None
+    print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}: "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
+    cases = [BY_NAME[n] for n in names]
+    layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
+    runnable = [c for c in cases if not (tiny and c.gpu_only)]
+    specs = sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable})
+    unbuilt = [(a, n) for a, _, n in specs if not (model_folder(out, a, n, tiny) / "config.json").is_file()]
+    found = preflight.problems(runnable, out, gpu=gpu and not tiny,
+                               model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
+                               gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None)
+    if found:
+        print("error: this host is not ready for the GPU check; nothing was built or run:", file=sys.stderr)
+        for problem in found:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    print(f"preflight: {len(runnable)} case(s) ready", flush=True)
+    if args.ablation:
+        expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, variants))
+        print(f"ablation: {len(variants)} variant(s), expected about {expected / 60:.0f} min on one H100 "
+              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there)", flush=True)
+    ops = None
+    if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
+        from finetune_kit.launch.cuda_ops import jit_arch_list
+
+        if note := jit_arch_list():  # the cases inherit the same value: their compile finds this one's build
+            print(note, flush=True)
+        ops = {name: subprocess.Popen([sys.executable, "-c", code], stdout=(out / f"ops-{name}.log").open("w"),
+                                      stderr=subprocess.STDOUT) for name, code in OPS.items()}
+        ops_started = time.monotonic()
+    models = build_models(specs, out, tiny=tiny)
+    for name, proc in (ops or {}).items():
+        code = proc.wait()
+        print(f"DeepSpeed op {name} {'built' if code == 0 else f'FAILED, see ops-{name}.log'} "
+              f"({time.monotonic() - ops_started:.0f} s after the builds began)", flush=True)
+    extra = tuple(shlex.split(args.extra))
+
+    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=(), data=None) -> dict:
+        return {"steps": args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
+                "seq_len": seq_len or args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
+                "micro_batch": micro_batch or args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
+                "grad_accum": grad_accum or args.grad_accum or (TINY if tiny else GPU_DEFAULTS)["grad_accum"],
+                "extra": extra + tuple(flags), "data": data}
+
+    if args.ablation:
+        runs = [(v.name, BY_NAME[v.case],
+                 settings(BY_NAME[v.case], v.micro_batch, v.grad_accum, v.seq_len, v.flags, v.data)) for v in variants]
+    else:
+        runs = [(case.name, case, settings(case)) for case in cases]
+    rows = []
+    for name, case, given in runs:
+        layers = layers_of[case.name]
+        if tiny and case.gpu_only:
+            rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
+            continue
+        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
+                         "status": "not run",
+                         "reason": f"the {args.time_budget:.0f} s time budget was spent"})
+            continue
+        try:
+            rows.append(run_case(case, root, out, models[(case.arch, case.family, layers)], layers=layers,
+                                 save=args.save, timeout=args.case_timeout, name=name, **given))
+        except Exception as err:  # one broken case must not lose the others' summary
+            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
+                         "status": "failed", "error": repr(err)})
+        if args.ablation:
+            rows = ablation.speedups(rows)
+        # after every case: what finished is on disk even if the next one takes the machine down
+        (out / "summary.json").write_text(json.dumps({"tiny": tiny, "gpu": info, "cases": rows}, indent=2) + "\n")
+    print("\n" + summary_table(rows))
+    for r in rows:
+        if r["status"] in ("skipped", "not run"):
+            print(f"{r.get('run', r['case'])}: {r['status']}, {r['reason']}")
+        if "skipped_steps" in r:
+            print(f"{r['case']}: fp16 loss scale {r.get('loss_scale')}, {r['skipped_steps']} overflow step(s) skipped")
+    failed = [r.get("run", r["case"]) for r in rows if r["status"] in ("failed", "timed out")]
+    passed = sum(r["status"] == "ok" for r in rows)
+    others = {status: sum(r["status"] == status for r in rows) for status in ("skipped", "not run")}
+    print(f"\n{passed} of {len(rows)} passed, {len(failed)} failed"
+          + "".join(f", {n} {status}" for status, n in others.items() if n) + f"; summary: {out / 'summary.json'}")
+    return 1 if failed else 0

@@ -1,0 +1,113 @@
+"""Models and data for the GPU check: real shapes with fewer layers, random weights, no download.
+
+A check model is a published architecture (:data:`finetune_kit.models.shapes.KNOWN_MODELS`) with
+``layers`` decoder layers, saved as a normal Hugging Face folder that the recipes load like a hub
+checkpoint. ``tiny=True`` keeps the attention-head ratio and the rest of the config but shrinks
+the width to 64 and the vocabulary to 1,024, for the CPU version of the check. The tokenizer is the tiny byte-level
+BPE of :mod:`finetune_tools.tiny_models` (its ids fit any vocabulary); the data is random words from
+the shipped sample, long enough that every sequence is truncated to the full length.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from finetune_kit.models.shapes import KNOWN_MODELS, ModelShape
+
+TINY_WIDTH = {"hidden_size": 64, "intermediate_size": 224, "num_attention_heads": 4, "vocab_size": 1024}
+CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+               "max_position_embeddings", "rope_theta", "tie_word_embeddings")
+
+
+def check_config(arch: str, layers: int, tiny: bool = False) -> dict:
+    """The config.json fields of ``arch`` with ``layers`` decoder layers (and a tiny width)."""
+    if arch not in KNOWN_MODELS:
+        raise ValueError(f"unknown architecture {arch!r}; known: {sorted(KNOWN_MODELS)}")
+    known = KNOWN_MODELS[arch]
+    config = {k: known[k] for k in CONFIG_KEYS if k in known}
+    config["num_hidden_layers"] = layers
+    if tiny:
+        group = known["num_attention_heads"] // known.get("num_key_value_heads", known["num_attention_heads"])
+        heads = max(TINY_WIDTH["num_attention_heads"], group)  # at least one KV head: 70B's 64:8 -> 8:1
+        config.update(TINY_WIDTH, num_attention_heads=heads, num_key_value_heads=heads // group)
+    return config
+
+
+def check_shape(arch: str, layers: int, tiny: bool = False) -> ModelShape:
+    """What the planner and the FLOP formula see for that model (no weights)."""
+    shape = ModelShape.from_config(check_config(arch, layers, tiny), name=arch)
+    return replace(shape, name=f"{arch} (truncated to {layers} layers)" if not tiny else shape.name)
+
+
+def build_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = False, seed: int = 0) -> Path:
+    """Write the check model (random bf16 weights) and a tokenizer to ``out``; reuse it if there."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune_tools.tiny_models import FAMILIES, train_tokenizer
+
+    out = Path(out)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    fam = FAMILIES[family]
+    tokenizer = train_tokenizer(fam, sample_texts(), vocab_size=512)
+    config = LlamaConfig(**check_config(arch, layers, tiny), rms_norm_eps=fam.rms_norm_eps,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of billions of weights: on the GPU
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def sample_texts() -> list[str]:
+    from finetune_kit.data.instructions import SAMPLE_INSTRUCTIONS
+
+    return [f"{r['prompt']} {r['response']}" for r in map(json.loads, SAMPLE_INSTRUCTIONS.read_text().splitlines())]
+
+
+def _words(rng: random.Random, count: int, vocabulary: list[str]) -> str:
+    return " ".join(rng.choice(vocabulary) for _ in range(count))
+
+
+SHORT_PER_ROW = 8  # short-instructions examples per packed sequence, about
+
+
+def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0) -> Path:
+    """``rows`` examples longer than ``seq_len`` tokens: instruction JSONL (conversations of many
+    short exchanges, which truncation at turn boundaries cuts to within one exchange of
+    ``seq_len``: nearly no padding) or review CSV (truncation fills every sequence). Or, for
+    packing, ``short-instructions``: one exchange each, of 1/16 to 1/4 of ``seq_len`` tokens."""
+    rng = random.Random(seed)
+    vocabulary = sorted({w for text in sample_texts() for w in text.split()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "instructions":
+        with path.open("w") as f:
+            words = max(1, seq_len // 256)  # per answer: about 1% of the sequence as padding at most
+            for _ in range(rows):
+                turns = [[{"role": "user", "content": "Continue."},
+                          {"role": "assistant", "content": _words(rng, words, vocabulary)}]
+                         for _ in range(seq_len // (words + 4) + 1)]  # an exchange is more than words + 4 tokens
+                f.write(json.dumps({"messages": [m for turn in turns for m in turn]}) + "\n")
+    elif kind == "short-instructions":  # for packing: one exchange of 1/16 to 1/4 of seq_len tokens
+        with path.open("w") as f:
+            for _ in range(rows):
+                answer = _words(rng, rng.randint(seq_len // 64, seq_len // 16), vocabulary)  # ~2-3 tokens a word
+                f.write(json.dumps({"messages": [{"role": "user", "content": "Continue."},
+                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    elif kind == "reviews":
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["rating", "text"])
+            for i in range(rows):
+                writer.writerow([1 if i % 2 else 5, _words(rng, 2 * seq_len, vocabulary)])
+    else:
+        raise ValueError(f"data kind {kind!r}: instructions, short-instructions or reviews")
+    return path

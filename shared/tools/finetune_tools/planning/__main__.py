@@ -1,0 +1,9 @@
+import sys
+
+from finetune_kit.errors import UserInputError
+from finetune_tools.planning.cli import main
+
+try:
+    sys.exit(main())
+except UserInputError as err:
+    sys.exit(f"error: {err}")

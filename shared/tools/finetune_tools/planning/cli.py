@@ -1,0 +1,226 @@
+"""Will a recipe fit? Memory per GPU and per node before launch, and the cheapest fix if not.
+
+    python -m finetune_tools.planning --model llama3-8b --deepspeed-config recipes/llama3-8b-zero3/configs/zero3.json \\
+        --nodes 1 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 4 --seq-len 2048
+    python -m finetune_tools.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
+    python -m finetune_tools.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
+    python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
+    python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
+        --tokens 2e8 --price 2.5 --calibration results/speed-calibration.json   # fit, speed, time and cost
+
+``--model`` takes a config.json, a model folder, or a known architecture: see
+``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning.memory``.
+
+A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
+
+    {"model": "llama3-8b", "micro_batch": 4, "seq_len": 2048, "gradient_checkpointing": true,
+     "adapter": null, "num_labels": null,
+     "setups": [{"label": "1 node x 8 GPUs", "config": "configs/zero3.json", "nodes": 1,
+                 "gpus_per_node": 8, "gpu_memory_GiB": 80, "host_memory_GiB": 1000}]}
+
+A setup's ``config`` is a DeepSpeed JSON, or an accelerate YAML (``.yaml``) for an FSDP2 launch.
+Each setup may override micro_batch, seq_len and gradient_checkpointing.
+``finetune_tools.planning.recipe_tables`` makes the README's memory table of those setups;
+``python -m finetune_tools.repo readmes`` (``make readmes``) writes it into the recipe's README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from finetune_kit.errors import UserInputError
+from finetune_kit.models.shapes import Adapter
+from finetune_kit.planning.memory import Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_tools.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
+from finetune_tools.planning.recipe_tables import gib, recipe_plans
+from finetune_tools.planning.speed import Cluster, Job, calibrated, job_for, predict
+from finetune_tools.tables import text_table
+
+
+def describe_setup(s: Setup) -> str:
+    offload = [w for w, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param)) if on]
+    offload = [f"{w} to NVMe" if s.nvme else w for w in offload]
+    method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
+    sharding = "FSDP2 (full sharding)" if s.engine == "fsdp2" else f"ZeRO-{s.stage}"
+    return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), {sharding}, offload: {', '.join(offload) or 'none'}, "
+            f"{method}, micro-batch {s.micro_batch} x {s.seq_len} tokens, gradient checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}")
+
+
+def render_plan(p: Plan, flags: dict | None = None) -> str:
+    """The full breakdown of one plan, its verdict and (if it does not fit) the cheapest fix."""
+    s = p.setup
+    head = (f"{p.model.name}: {p.total_params / 1e9:.2f} B parameters, {p.trainable_params / 1e9:.3f} B trainable\n"
+            f"{describe_setup(s)}\n")
+    names = list(p.gpu_parts) + [n for n in p.host_parts if n not in p.gpu_parts]
+    rows = [[n, gib(p.gpu_parts[n]) if n in p.gpu_parts else "", gib(p.host_parts[n]) if n in p.host_parts else ""]
+            for n in names]
+    gpu_cap = "" if s.gpu_memory_GiB is None else f" of {s.gpu_memory_GiB:g}"
+    cpu_cap = "" if s.host_memory_GiB is None else f" of {s.host_memory_GiB:g}"
+    rows.append(["total", gib(p.gpu_bytes) + gpu_cap, gib(p.host_bytes) + cpu_cap])
+    out = head + text_table(["part", "per GPU (GiB)", "host per node (GiB)"], rows) + f"\n\nverdict: {p.verdict()}"
+    if p.disk_parts:
+        out += "\nNVMe disk per node: " + ", ".join(f"{n} {gib(v)} GiB" for n, v in p.disk_parts.items()) + \
+               f" (total {gib(p.disk_bytes)} GiB)"
+    if p.fits is False:
+        fix = suggest(p.model, s, flags)
+        out += f"\nsuggestion: {fix}" if fix else "\nsuggestion: nothing tried fits (smaller model or larger GPUs)"
+    return out
+
+
+# ---- command line ----
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m finetune_tools.planning", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to plan (one of)")
+    what.add_argument("--model", help="config.json, model folder, or a known architecture (llama3-8b, ...)")
+    what.add_argument("--recipe", type=Path, help="recipe folder with a memory_plan.json: plan each setup")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--gpu-memory-gib", dest="gpu_memory_GiB", type=float, default=None,
+                    help="per GPU (default: the --gpu profile's, else 80)")
+    hw.add_argument("--gpu", help=f"GPU profile for the speed prediction: {', '.join(GPUS)}")
+    hw.add_argument("--network", help=f"between nodes, for the speed prediction: {', '.join(NETWORKS)}")
+    hw.add_argument("--peak-tflops", type=float, help="override the --gpu profile's dense bf16 peak")
+    hw.add_argument("--intra-node-gbps", type=float, help="override its one-way GB/s per GPU inside a node")
+    hw.add_argument("--host-link-gbps", type=float, help="override its one-way GB/s per GPU to host memory")
+    hw.add_argument("--network-gbps", type=float, help="override the --network profile's one-way GB/s per node")
+    hw.add_argument("--host-memory-gib", dest="host_memory_GiB", type=float, default=None,
+                    help="host RAM per node (not checked if unset)")
+    ds = p.add_argument_group("DeepSpeed (a JSON, or the flags; flags override the JSON)")
+    ds.add_argument("--deepspeed-config", type=Path, help="the recipe's DeepSpeed JSON")
+    ds.add_argument("--stage", type=int, choices=[0, 1, 2, 3])
+    ds.add_argument("--offload-optimizer", action="store_true", default=None)
+    ds.add_argument("--offload-param", action="store_true", default=None)
+    ds.add_argument("--fsdp2", action="store_true", help="PyTorch FSDP2 (full sharding) instead of DeepSpeed")
+    run = p.add_argument_group("batch and method")
+    run.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
+    run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    run.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    run.add_argument("--checkpoint-every", type=int, default=1,
+                     help="checkpoint every N-th decoder layer, as the recipes' --checkpoint-every (1: all)")
+    run.add_argument("--loss-chunks", type=int, default=0,
+                     help="the LM loss this many token chunks at a time, as the recipes' --loss-chunks (0: whole)")
+    run.add_argument("--offload-activations", action="store_true",
+                     help="tensors saved for backward in pinned host memory, as the recipes' --offload-activations")
+    run.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 4)")
+    run.add_argument("--lora-rank", type=int, help="LoRA on a frozen bf16 base (with --qlora: nf4 base)")
+    run.add_argument("--qlora", action="store_true", help="frozen nf4 base, double quantisation (rank 8 by default)")
+    run.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
+    run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
+    cost = p.add_argument_group("time and cost (with --gpu)")
+    cost.add_argument("--tokens", type=float, help="tokens to train on (an epoch of your data)")
+    cost.add_argument("--data", help="your data file: its tokens counted with --model's tokenizer (a model folder)")
+    cost.add_argument("--price", type=float, help="price of one GPU-hour")
+    cost.add_argument("--calibration", type=Path, help="results/speed-calibration.json (make plan passes it)")
+    args = p.parse_args(argv)
+    if args.gpu_memory_GiB is None:
+        args.gpu_memory_GiB = gpu_profile(args.gpu).memory_GiB if args.gpu else 80.0
+    return args
+
+
+def setup_from_args(args) -> Setup:
+    ds = json.loads(args.deepspeed_config.read_text()) if args.deepspeed_config else {
+        "zero_optimization": {"stage": 3}}
+    adapter = None
+    if args.lora_rank or args.qlora:
+        targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+        adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
+    fields = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_GiB=args.gpu_memory_GiB,
+                  host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size, seq_len=args.seq_len,
+                  gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
+                  loss_chunks=args.loss_chunks,
+                  offload_activations=args.offload_activations, adapter=adapter, num_labels=args.num_labels)
+    if args.fsdp2:
+        return setup_for_fsdp2(**fields)
+    setup = setup_from_deepspeed(ds, **fields)
+    overrides = {k: getattr(args, k) for k in ("stage", "offload_optimizer", "offload_param")
+                 if getattr(args, k) is not None}
+    return replace(setup, **overrides)
+
+
+def render_speed(p: Plan, args) -> str:
+    """Tokens/s, time, GPU-hours and cost of the plan's setup on ``args.gpu``, and the cheapest change."""
+    s = p.setup
+    efficiency, source = calibrated(args.calibration)
+    network = network_profile(args.network) if args.network else None
+    if network and args.network_gbps:
+        network = replace(network, per_node_GBps=args.network_gbps, description=f"{args.network_gbps:g} GB/s per node")
+    gpu = gpu_profile(args.gpu)
+    overrides = {"peak_bf16_tflops": args.peak_tflops, "intra_node_GBps": args.intra_node_gbps,
+                 "host_link_GBps": args.host_link_gbps}
+    gpu = replace(gpu, **{k: v for k, v in overrides.items() if v})
+    cluster = Cluster(gpu, s.gpus_per_node, s.nodes, network)
+    grad_accum = args.grad_accum or 4
+    job = job_for(p.model, p.setup, grad_accum)
+    pred = predict(job, cluster, efficiency)
+    low, high = pred.tokens_per_s_range(cluster.gpus)
+    rows = [["memory per GPU", f"{gib(p.gpu_bytes)} of {s.gpu_memory_GiB:g} GiB: "
+                                 + ("fits" if p.fits is not False else "does not fit (see above)")],
+            ["tokens/s per GPU", f"{pred.tokens_per_s(cluster.gpus):,.0f} (range {low:,.0f}-{high:,.0f})"],
+            ["tokens/s, all GPUs", f"{pred.tokens_per_s(cluster.gpus) * cluster.gpus:,.0f}"],
+            ["per optimizer step (s)", ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items())
+             + f"; dominant: {pred.dominant}"]]
+    tokens = args.tokens or (count_tokens(args) if args.data else None)
+    if tokens:
+        hours = tokens / (pred.tokens_per_s(cluster.gpus) * cluster.gpus) / 3600
+        rows.append([f"{tokens:,.0f} tokens", f"{hours:,.1f} h, {hours * cluster.gpus:,.0f} GPU-hours"
+                     + (f", {hours * cluster.gpus * args.price:,.0f} at {args.price:g} per GPU-hour"
+                        if args.price else "")])
+    rows.append(["cheapest change that helps", cheapest_change(job, cluster, efficiency, pred)])
+    where = f"{cluster.gpus} x {cluster.gpu.name}" + (f", {network.description}" if network else "")
+    return (f"speed on {where}, accumulation {grad_accum} (predicted; constants: {source}; the held-out error "
+            f"of the model is in results/README.md)\n" + text_table(["", "predicted"], rows))
+
+
+def cheapest_change(job: Job, cluster: Cluster, efficiency, pred) -> str:
+    """The first of: twice the accumulation, the fastest network, no optimizer offload, that gains 10%."""
+    base = pred.tokens_per_s(cluster.gpus)
+    tries = [(f"--grad-accum {job.grad_accum * 2}", replace(job, grad_accum=job.grad_accum * 2), cluster)]
+    if cluster.nodes > 1:
+        tries.append(("InfiniBand, one 400 Gb/s NIC per GPU (ib400)", job, replace(cluster, network=NETWORKS["ib400"])))
+    if job.offload_optimizer:
+        tries.append(("no optimizer offload, if the memory plan fits without it", replace(job, offload_optimizer=False),
+                      cluster))
+    for what, j, c in tries:
+        gain = predict(j, c, efficiency).tokens_per_s(c.gpus) / base
+        if gain >= 1.1:
+            return f"{what}: {gain:.2f}x tokens/s"
+    return f"none of accumulation, network or offload gains 10%: {pred.dominant}-bound"
+
+
+def count_tokens(args) -> int:
+    """Tokens of ``args.data`` as the recipes count them: each row through the model's chat template."""
+    from finetune_kit.data.instructions import load_rows, tokenize_rows
+    from finetune_kit.models.loading import load_tokenizer
+
+    if not args.model:
+        raise UserInputError("--data needs --model (a model folder with its tokenizer) to count the tokens; "
+                             "or pass --tokens.")
+    _, counts = tokenize_rows(load_rows(args.data), load_tokenizer(args.model), args.seq_len, cache="none")
+    return counts.tokens
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
+        entry, first = recipe_plans(args.recipe)[0]
+        s = replace(first.setup, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB)
+        p = plan(first.model, s)
+        print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
+        return 0
+    if args.recipe:
+        for entry, p in recipe_plans(args.recipe):
+            print(f"== {entry.get('label', '')} ({entry['config']})\n{render_plan(p)}\n")
+        return 0
+    if not args.model:
+        raise UserInputError("pass --model or --recipe; see --help.")
+    p = plan(args.model, setup_from_args(args))
+    print(render_plan(p) + (f"\n\n{render_speed(p, args)}" if args.gpu else ""))
+    return 0
+

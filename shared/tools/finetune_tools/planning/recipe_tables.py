@@ -1,0 +1,119 @@
+"""A recipe's memory setups (``recipes/<name>/memory_plan.json``) and the README table of their predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune_kit.errors import UserInputError
+from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
+from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_tools.tables import markdown_table
+
+SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
+              "gradient_checkpointing", "checkpoint_every", "loss_chunks", "offload_activations")
+
+
+def gib(value: int) -> str:
+    return f"{value / GiB:.1f}"
+
+
+
+def recipe_setups(recipe_dir: Path, key: str = "setups") -> tuple[ModelShape, list[tuple[dict, Setup]]]:
+    """The model shape of the recipe's memory_plan.json and each entry of its ``key`` list
+    ("setups": the memory table's; "speed": the speed table's) with the Setup it describes."""
+    path = recipe_dir / "memory_plan.json"
+    if not path.is_file():
+        raise UserInputError(f"{path} does not exist: a recipe lists its memory setups there (see "
+                             "python -m finetune_kit.planning --help).")
+    spec = json.loads(path.read_text())
+    adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    model = spec["model"]
+    if not any(model.startswith(p) for p in ("/", ".")) and (recipe_dir / model).exists():
+        model = str(recipe_dir / model)
+    out = []
+    for entry in spec.get(key, []):
+        fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
+        config = recipe_dir / entry["config"]
+        if config.suffix in (".yaml", ".yml"):  # an accelerate FSDP launch config
+            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        else:
+            ds = json.loads(config.read_text())
+            setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
+        out.append((entry, setup))
+    return resolve_model(model), out
+
+
+def recipe_plans(recipe_dir: Path) -> list[tuple[dict, Plan]]:
+    shape, setups = recipe_setups(recipe_dir)
+    return [(entry, plan(shape, setup)) for entry, setup in setups]
+
+
+def recipe_table(recipe_dir: Path) -> str:
+    """The markdown memory table of the recipe's setups, with a note on what it counts."""
+    plans = recipe_plans(recipe_dir)
+    rows = []
+    for entry, p in plans:
+        s, kinds = p.setup, p.gpu_by_kind()
+        if p.fits:
+            verdict = f"fits, {p.gpu_headroom_GiB:.1f} GiB free"
+        else:
+            fix = suggest(p.model, s)
+            verdict = "does not fit" + (f"; fix: {'; '.join(fix.changes)} ({gib(fix.plan.gpu_bytes)} GiB/GPU, "
+                                        f"{gib(fix.plan.host_bytes)} GiB host)" if fix else "")
+        cpu = gib(p.host_bytes) + (f" of {s.host_memory_GiB:g}" if s.host_memory_GiB is not None else "")
+        if p.disk_parts:
+            cpu += f" (+ {gib(p.disk_bytes)} on NVMe)"
+        rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
+                     f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
+                     gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
+                     f"**{gib(p.gpu_bytes)}** of {s.gpu_memory_GiB:g}", cpu, verdict])
+    shape = plans[0][1].model
+    if plans[0][1].setup.adapter:
+        states = "the frozen base (nf4 with its quantisation constants, or bf16), LoRA weights with full Adam states"
+    else:
+        states = ("model states as DeepSpeed's own estimators count them (full fine-tuning; FSDP2 rows: 16 bytes "
+                  "per parameter sharded, plus the gathered layers)")
+    note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
+            f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
+            f"activations with the loss's logits{logits_note(plans[0][1].setup)}, and CUDA context + allocator "
+            "overhead; host RAM per node "
+            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
+    header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
+              "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
+    return note + "\n\n" + markdown_table(header, rows)
+
+
+def logits_note(setup) -> str:
+    if setup.loss_chunks and not setup.num_labels:
+        return f" (the loss in {setup.loss_chunks} chunks of tokens, the recipe's default)"
+    return ""
+
+
+def speed_table(recipe_dir: Path, calibration: Path) -> str:
+    """The markdown speed table of the recipe's ``speed`` setups (memory_plan.json): predicted
+    tokens/s, the dominant term and the time and GPU-hours per 100 M tokens, accumulation 4."""
+    from finetune_tools.planning.hardware import gpu_profile, network_profile
+    from finetune_tools.planning.speed import Cluster, calibrated, job_for, predict
+
+    shape, setups = recipe_setups(recipe_dir, "speed")
+    efficiency, _ = calibrated(calibration)
+    rows = []
+    for entry, setup in setups:
+        network = network_profile(entry["network"]) if entry.get("network") else None
+        cluster = Cluster(gpu_profile(entry["gpu"]), setup.gpus_per_node, setup.nodes, network)
+        pred = predict(job_for(shape, setup, 4), cluster, efficiency)
+        low, high = pred.tokens_per_s_range(cluster.gpus)
+        per_gpu = pred.tokens_per_s(cluster.gpus)
+        hours = 1e8 / (per_gpu * cluster.gpus) / 3600
+        rows.append([entry["label"], f"`{entry['config']}`", f"{per_gpu:,.0f} ({low:,.0f}-{high:,.0f})",
+                     f"{per_gpu * cluster.gpus:,.0f}", pred.dominant, f"{hours:,.1f}", f"{hours * cluster.gpus:,.0f}"])
+    note = (f"Predicted by `make plan RECIPE={recipe_dir.name} GPU=... GPUS=... NODES=... NETWORK=...` at the "
+            "defaults above and accumulation 4: the speed model of `shared/tools/finetune_tools/planning/speed.py` "
+            "with the constants `make results` fitted on every run of known speed "
+            "(`results/speed-calibration.json`; its held-out error per run is in `results/README.md`). "
+            "The range: communication hidden behind compute, "
+            "or not at all. Add `TOKENS=` (or `DATA=` and `MODEL=`) and `PRICE=` for your run's time and cost.")
+    header = ["setup", "config", "tokens/s per GPU (range)", "tokens/s, all GPUs", "dominant term",
+              "hours per 100 M tokens", "GPU-hours per 100 M tokens"]
+    return note + "\n\n" + markdown_table(header, rows)

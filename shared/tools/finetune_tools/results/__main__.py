@@ -1,0 +1,5 @@
+import sys
+
+from finetune_tools.results.report import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""The speed model (:mod:`finetune_tools.planning.speed`) against every run of known speed in results/.
+
+Observations: the rows of ``results/published.csv`` (their setups as the sources state them; what a
+source leaves out is assumed in :data:`ASSUMED`, each with its reason) and the GPU run records in
+``results/runs/*.json`` (measured here, on one H100). Each one is predicted by the efficiencies
+fitted on all the others (leave one out): that relative error is the held-out error the results
+page shows. The measured rows are one GPU each, so they calibrate compute and CPU offload only;
+multi-GPU communication is calibrated by the published rows until GPU-measured multi-GPU runs exist.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+from finetune_kit.metering import keys
+from finetune_kit.metering.run_record import RunRecord
+from finetune_kit.models.shapes import Adapter, resolve_model
+from finetune_tools.planning.hardware import gpu_for_device
+from finetune_tools.planning.speed import Cluster, Job, Observation, fit_efficiency, held_out_errors, predict
+
+# What each published row's source does not state, assumed (job fields) and why.
+ASSUMED = {
+    "seed-llama-7b-zero2": ({"stage": 2, "micro_batch": 4}, "micro-batch not stated: 4 assumed"),
+    "seed-llama-13b-zero2": ({"stage": 2, "micro_batch": 4}, "micro-batch not stated: 4 assumed"),
+    "seed-llama-30b-zero3": ({"stage": 3, "micro_batch": 4}, "micro-batch not stated: 4 assumed"),
+    "seed-llama-65b-zero3-offload": ({"stage": 3, "micro_batch": 4, "offload_optimizer": True},
+                                     "micro-batch not stated: 4 assumed; only the optimizer's offload is modelled"),
+    "torchtitan-llama3.1-8b": ({"engine": "fsdp2", "micro_batch": 2}, "local batch 2 as stated"),
+    "torchtitan-llama3.1-8b-compile": ({"engine": "fsdp2", "micro_batch": 2}, "local batch 2 as stated"),
+    "llm-foundry-mpt-7b": ({"engine": "fsdp2", "micro_batch": 8}, "micro-batch not in the table: 8 assumed"),
+    "answerai-fsdp-qlora-llama2-70b": ({"engine": "fsdp2", "micro_batch": 8,
+                                        "adapter": Adapter(rank=64, targets="all-linear", quantized=True)},
+                                       "micro-batch and LoRA rank not stated: 8 and 64 assumed"),
+    "torchtune-llama3.1-70b-lora": ({"engine": "fsdp2", "micro_batch": 2, "adapter": Adapter(rank=16)},
+                                    "A100 80 GB, LoRA rank 16 on all linear layers and checkpointing assumed"),
+    "torchtune-llama3.1-70b-full-offload": ({"engine": "fsdp2", "micro_batch": 2, "offload_optimizer": True},
+                                            "A100 80 GB and checkpointing assumed; the optimizer fused into the "
+                                            "backward is modelled as CPU Adam after it"),
+    "torchtune-llama3.2-3b-packed-compile": ({"stage": 0, "engine": "torch", "micro_batch": 2,
+                                              "gradient_checkpointing": False},
+                                             "A100 80 GB assumed; one GPU, nothing to communicate"),
+    "torchtune-llama3.2-3b-packed-compile-ckpt": ({"stage": 0, "engine": "torch", "micro_batch": 2},
+                                                  "A100 80 GB assumed; one GPU, nothing to communicate"),
+}
+
+
+# Rows predicted and compared but kept out of the fit, and why.
+NOT_FITTED = {
+    **dict.fromkeys(("seed-llama-7b-zero2", "seed-llama-13b-zero2", "seed-llama-30b-zero3",
+                     "seed-llama-65b-zero3-offload"),
+                    "not fitted: rounded figures with neither batch nor sequence length stated"),
+    "torchtune-llama3.1-70b-full-offload": "not fitted: FSDP's CPU offload also moves the weights over PCIe for "
+                                           "every micro-batch, which the model does not count",
+}
+
+
+def published_observations(path: Path) -> list[tuple[Observation, str]]:
+    out = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            gpu = gpu_for_device(r["hardware"])
+            if gpu is None:
+                continue
+            gpus, seq_len = int(r["gpus"]), int(r["seq_len"])
+            per_gpu = r[keys.TOKENS_PER_S_PER_DEVICE.key].strip()
+            total = r[keys.TOKENS_PER_S.key].strip()
+            if per_gpu:
+                speed = float(per_gpu)
+            elif total:
+                speed = float(total) / gpus
+            else:
+                speed = float(r["samples"]) * seq_len / float(r["seconds"]) / gpus
+            fields, why = ASSUMED.get(r["id"], ({}, "as stated"))
+            job = Job(resolve_model(r["architecture"]), seq_len=seq_len, **fields)
+            cluster = Cluster(gpu, gpus_per_node=gpus, nodes=1)
+            fitted = r["id"] not in NOT_FITTED
+            out.append((Observation(r["id"], job, cluster, speed, "published", fitted),
+                        why if fitted else f"{why}; {NOT_FITTED[r['id']]}"))
+    return out
+
+
+def measured_observations(folder: Path) -> list[tuple[Observation, str]]:
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        rec = RunRecord.read(path)
+        gpu = gpu_for_device(rec.hardware.device)
+        if gpu is None or not rec.measured.tokens_per_s_per_device:
+            continue
+        base = re.sub(r" \(truncated.*\)$", "", rec.model.architecture)
+        shape = resolve_model(base)
+        if rec.model.truncated:
+            shape = shape.truncated(rec.model.layers)
+        t = rec.training
+        adapter = None if t.method == "full" else Adapter(rank=_lora_rank(shape, rec.model.params_trainable),
+                                                          quantized=t.method == "qlora")
+        num_labels = 2 if t.method != "full" else None  # the 70B recipe trains a review classifier
+        job = Job(shape, seq_len=t.seq_len, micro_batch=t.micro_batch_size, grad_accum=t.grad_accum,
+                  stage=t.zero_stage, engine=t.engine, offload_optimizer=t.offload != "none", adapter=adapter,
+                  gradient_checkpointing=t.gradient_checkpointing, num_labels=num_labels)
+        cluster = Cluster(gpu, gpus_per_node=rec.hardware.devices, nodes=rec.hardware.nodes)
+        out.append((Observation(path.stem, job, cluster, rec.measured.tokens_per_s_per_device, "measured"),
+                    f"measured, {rec.hardware.device}"))
+    return out
+
+
+def _lora_rank(shape, trainable: int) -> int:
+    """The all-linear LoRA rank whose parameter count (plus a 2-label head) is nearest ``trainable``."""
+    return min((1, 2, 4, 8, 16, 32, 64, 128), key=lambda r: abs(shape.lora_params(r) + 2 * shape.hidden_size
+                                                                 - trainable))
+
+
+FILE = "speed-calibration.json"  # beside README.md: what `make plan` predicts speed with
+
+
+def observations(results: Path) -> list[tuple[Observation, str]]:
+    return published_observations(results / "published.csv") + measured_observations(results / "runs")
+
+
+def fitted_json(results: Path) -> str:
+    """The constants fitted on every run of known speed in ``results``, for the planner."""
+    import json
+
+    eff = fit_efficiency([o for o, _ in observations(results)])
+    return json.dumps({"note": "generated by `make results` from published.csv and runs/ "
+                               "(finetune_tools.results.calibration); read by finetune_tools.planning.speed",
+                       "compute": {k: _digits(v) for k, v in eff.compute.items()},
+                       "step_s_per_param": {k: _digits(v) for k, v in eff.step_s_per_param.items()},
+                       "adam_params_per_s": _digits(eff.adam_params_per_s)}, indent=2) + "\n"
+
+
+def _digits(value: float) -> float:
+    """Four significant digits: the least-squares solve differs in its last ~8 digits between CPUs
+    (LAPACK picks kernels per instruction set), and the fit is good to a few per cent, not to 16 digits."""
+    return float(f"{value:.4g}")
+
+
+def table(results: Path) -> list[str]:
+    """Markdown: every observation, predicted by the efficiencies fitted on the others."""
+    rows = observations(results)
+    runs = [o for o, _ in rows]
+    if len(runs) < 2:
+        return ["Not enough runs of known speed to calibrate the speed model."]
+    errors = held_out_errors(runs)
+    fitted = fit_efficiency(runs)
+    lines = ["| Run | Source | Setup | Tokens/s per GPU, observed | Predicted (held out) | Error | Dominant term "
+             "| Assumed |",
+             "|---|---|---|--:|--:|--:|---|---|"]
+    for obs, why in rows:
+        j, c = obs.job, obs.cluster
+        setup = (f"{j.shape.name}, {j.method}, {'FSDP2' if j.engine == 'fsdp2' else f'ZeRO-{j.stage}'}"
+                 f"{' + offload' if j.offload_optimizer else ''}, {c.gpus}x {c.gpu.name}, "
+                 f"{j.micro_batch}x{j.seq_len}x{j.grad_accum}")
+        predicted = obs.tokens_per_s_per_gpu * (1 + errors[obs.name])
+        lines.append(f"| {obs.name} | {obs.source} | {setup} | {obs.tokens_per_s_per_gpu:,.0f} | {predicted:,.0f} "
+                     f"| {100 * errors[obs.name]:+.0f}% | {predict(j, c, fitted).dominant} | {why} |")
+    absolute = sorted(abs(e) for e in errors.values())
+    median = absolute[len(absolute) // 2]
+    fitted_errors = sorted(abs(errors[o.name]) for o in runs if o.fitted)
+    lines += ["", f"Held-out error of the {len(fitted_errors)} fitted runs: median "
+              f"{100 * fitted_errors[len(fitted_errors) // 2]:.0f}%, largest {100 * fitted_errors[-1]:.0f}%; over all "
+              f"{len(absolute)} runs: median {100 * median:.0f}%, largest {100 * absolute[-1]:.0f}%. Fitted on the "
+              "fitted runs: compute at "
+              + ", ".join(f"{100 * v:.1f}% of the bf16 peak ({k})" for k, v in fitted.compute.items())
+              + f"; CPU Adam {fitted.adam_params_per_s / 1e9:.2f} G parameters/s per node."]
+    return lines
