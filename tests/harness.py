@@ -429,6 +429,7 @@ def load_script(path: Path):
     """Import a recipe's train.py as a module (recipes are folders, not packages)."""
     spec = importlib.util.spec_from_file_location(f"recipe_{path.parent.name.replace('-', '_')}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as `python train.py` has its __main__: its dataclasses resolve their fields
     spec.loader.exec_module(module)
     return module
 

@@ -26,37 +26,44 @@ serves live Prometheus metrics from every rank (port 9450 + local rank).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.utils.data import DataLoader
 
-from finetune_kit import TrainingRun, data, evaluate_loss, models, recipe_parser, run_main, save_consolidated
+from finetune_kit import data, models, run_main, training
 
 RECIPE = "llama3-8b-zero3"
 LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
 
 
-def parse_args(argv=None):
-    p = recipe_parser("Llama 3 8B instruction fine-tune with ZeRO-3.", model="meta-llama/Meta-Llama-3-8B",
-                      output="out/llama3-8b-zero3", max_seq_len=2048, lr=2e-5, epochs=3, eval_fraction=0.05,
-                      instruction_data=True)
-    return p.parse_args(argv)
+@dataclass
+class Arguments(training.ModelArguments, training.InstructionData, training.Kernels, training.LoopArguments):
+    """Every flag this recipe takes: the shared families (training/arguments.py), nothing of its own."""
 
 
-def preflight(argv=None):
+def parse_args(argv=None) -> Arguments:
+    return training.parse(Arguments, argv, description="Llama 3 8B instruction fine-tune with ZeRO-3.",
+                          model="meta-llama/Meta-Llama-3-8B", output="out/llama3-8b-zero3", max_seq_len=2048,
+                          lr=2e-5, epochs=3)
+
+
+def check_inputs(argv=None):
     """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
     runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args = parse_args(argv)
-    run = TrainingRun.preflight(RECIPE, args, zero_stage=3, launch=LAUNCH,
-                                configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
+    checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH,
+                                      configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
-    return args, run, rows
+    return args, checked, rows
 
 
 def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
-    args, run, rows = preflight(argv)
+    args, checked, rows = check_inputs(argv)
 
     # ---- 2. Distributed setup: the accelerate YAML (+ DeepSpeed JSON, or FSDP2) drives everything ----
-    accelerator = run.start()
+    accelerator = training.start(checked, args)
+    stop = training.StopSignal(accelerator)  # SIGTERM, SIGINT, Slurm's SIGUSR1: stop after the step, with a checkpoint
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
@@ -66,12 +73,12 @@ def main(argv=None) -> None:
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
-    run.record_split(train_set, eval_set, counts)
+    split = training.DataSplit.of(train_set, eval_set, counts)
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     train_dl = DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
                           collate_fn=data.PackedCollator() if args.pack else pad)
     eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=pad) if eval_set else None
-    run.plan_steps(train_dl)
+    schedule = training.Schedule.plan(len(train_set), args, accelerator.num_processes)  # steps per epoch, in all
 
     # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
     model = models.load_causal_lm(args.model, models.attention_for(args.attention, packed=args.pack))
@@ -79,22 +86,22 @@ def main(argv=None) -> None:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
     models.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
-    if args.gradient_checkpointing:  # recompute every --checkpoint-every-th layer in the backward
+    if args.gradient_checkpointing:  # recompute every --recompute-every-th layer in the backward
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=args.checkpoint_every)
+                                              every_n_layers=args.recompute_every)
     models.compile_layers(model, args.compile)  # --compile: each decoder layer through torch.compile
 
     # ---- 5. Optimizer from the JSON ("auto" filled here; FSDP2: AdamW), cosine schedule with warm-up ----
-    optimizer, scheduler = run.optimizer_and_schedule(model.parameters())
+    optimizer, scheduler = training.optimizer_and_schedule(model.parameters(), checked, args, schedule.total_steps)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    if eval_dl is not None:
-        eval_dl = accelerator.prepare(eval_dl)
-        run.evaluate = lambda: {"eval_loss": evaluate_loss(model, eval_dl, accelerator)}  # once, at the end
-    run.resume()
+    eval_dl = accelerator.prepare(eval_dl) if eval_dl is not None else None
+    checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
+    start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
+    meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
     model.train()
-    for step in run.steps(train_dl, model, scheduler):  # one optimizer step: this rank's micro-batches, counted
+    for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
         grad_norm = None
         for batch in step.micro_batches:
             with accelerator.accumulate(model):
@@ -104,17 +111,25 @@ def main(argv=None) -> None:
                     loss = model(**batch, num_items_in_batch=step.labelled).loss
                 accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
                 if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both give the norm
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))
                 optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
                 scheduler.step()
                 optimizer.zero_grad()
-            run.micro_batch_done(loss, batch, grad_norm)  # logs each optimizer step
-        if run.checkpoint_due():  # every --save-every steps, the last step, or a stop signal (SIGTERM, SIGUSR1)
-            run.save_checkpoint()  # checkpoints/step_N; after a stop signal the process exits 0 here
+            meter.micro_batch(loss, batch)
+        meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+        stopping = stop.agreed()  # did a stop signal reach any rank?
+        saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
+        if stopping:
+            return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 
     # ---- 7. Save the consolidated model; validation, run record and run info ----
-    model_dir = save_consolidated(accelerator, model, tokenizer, run.output / "model") if args.save_model else None
-    run.finish(model, saved_to=model_dir, training={"packing": args.pack})
+    model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model") \
+        if args.save_model else None
+    evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
+        if eval_dl is not None else []
+    training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
+                    split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
+                    training={"packing": args.pack})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 
 The tools that work on the repository (the speed model, the results page, the GPU check, the README
 blocks, the tiny test models) are the second package, ``finetune_tools`` (shared/tools/).
-A recipe needs a handful of names, importable from here without loading torch until used.
+A recipe needs a handful of names, importable from here without loading torch until used: the packages
+``data``, ``models`` and ``training`` (whose ``__init__`` export the names a recipe uses) and ``run_main``.
 """
 
 import logging
@@ -27,28 +28,16 @@ __version__ = "0.1.0"
 # recipes download nothing at run time and bitsandbytes' own CPU kernel runs instead: not news.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
+# What a recipe imports from here: its parts' packages (``data``, ``models``, ``training``) and ``run_main``.
 _EXPORTS = {
-    "TrainingRun": "finetune_kit.training.run",
-    "TrainerRun": "finetune_kit.training.trainer_run",
-    "recipe_parser": "finetune_kit.training.arguments",
-    "save_consolidated": "finetune_kit.training.final_model",
-    "save_trainer_model": "finetune_kit.training.final_model",
-    "save_adapter": "finetune_kit.training.final_model",
-    "evaluate_loss": "finetune_kit.training.evaluation",
     "UserInputError": "finetune_kit.errors",
     "run_main": "finetune_kit.launch.failures",
 }
-__all__ = ["TrainerRun", "TrainingRun", "UserInputError", "__version__", "evaluate_loss", "recipe_parser", "run_main",
-           "save_adapter", "save_consolidated", "save_trainer_model"]  # = _EXPORTS, spelled out for static tools
+__all__ = ["UserInputError", "__version__", "run_main"]  # = _EXPORTS, spelled out for static tools
 
 if TYPE_CHECKING:  # the same names for editors and type checkers; at run time they load on first use
     from finetune_kit.errors import UserInputError
     from finetune_kit.launch.failures import run_main
-    from finetune_kit.training.arguments import recipe_parser
-    from finetune_kit.training.evaluation import evaluate_loss
-    from finetune_kit.training.final_model import save_adapter, save_consolidated, save_trainer_model
-    from finetune_kit.training.run import TrainingRun
-    from finetune_kit.training.trainer_run import TrainerRun
 
 
 def __getattr__(name: str):

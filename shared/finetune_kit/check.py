@@ -4,12 +4,12 @@
     python -m finetune_kit.check deepspeed --num_gpus 8 train.py --deepspeed configs/zero2.json --data my.jsonl ...
     python -m finetune_kit.check --check-only torchrun --nproc_per_node 8 train.py ...
 
-Every rank of a launch checks its inputs first (a recipe's ``preflight``: step 1 of its train.py), so a
+Every rank of a launch checks its inputs first (a recipe's ``check_inputs``: step 1 of its train.py), so a
 plain launch stops on a bad one too; but then the launcher (torch.distributed.run) reports the failed
 ranks in a ``ChildFailedError`` traceback of some 40 lines, under which the one line that matters
 gets lost. Here the launch command is read (:mod:`finetune_kit.launch.command`: the environment its
 ranks would see, computed by the launchers' own code), the recipe's train.py imported and its
-``preflight`` run once, in this process: a bad input ends with ``error: <message>`` alone and exit
+``check_inputs`` run once, in this process: a bad input ends with ``error: <message>`` alone and exit
 status 2, and no launcher starts (``--check-only``: what the checks printed, such as the memory plan,
 and nothing launched). Otherwise the launch command runs unchanged, its output streaming
 through, with ``FINETUNE_ERROR_FILE`` naming a file for a bad input the ranks find later (too little
@@ -38,12 +38,12 @@ from finetune_kit.launch import command
 from finetune_kit.launch.failures import ERROR_FILE_VAR
 
 # What a job is stopped with: the ranks take SIGTERM, SIGINT and SIGUSR1 to checkpoint and stop
-# (training.preemption), torchrun also SIGHUP and SIGQUIT.
+# (training.stop), torchrun also SIGHUP and SIGQUIT.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def check_launch(launch: command.Launch) -> str:
-    """Run the launched train.py's ``preflight`` here, in the environment its first rank would have;
+    """Run the launched train.py's ``check_inputs`` here, in the environment its first rank would have;
     raise UserInputError for bad input. Return what it printed (on a launch its ranks print it)."""
     script = Path(launch.script)
     if not script.is_file():
@@ -56,11 +56,12 @@ def check_launch(launch: command.Launch) -> str:
         with launch.environment(), _quiet(printed):
             spec = importlib.util.spec_from_file_location(f"{Path(folder).name}_train", script)
             recipe = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = recipe  # its dataclasses resolve their fields' types through it
             spec.loader.exec_module(recipe)
-            if not callable(getattr(recipe, "preflight", None)):
-                raise ConfigError(f"{script} has no preflight() to check its inputs with: this check runs the "
+            if not callable(getattr(recipe, "check_inputs", None)):
+                raise ConfigError(f"{script} has no check_inputs() to check its inputs with: this check runs the "
                                   "recipes' train.py (recipes/*/train.py); launch other scripts directly.")
-            recipe.preflight(list(launch.script_args))
+            recipe.check_inputs(list(launch.script_args))
     except UserInputError:
         raise
     except BaseException:  # --help, a flag the script does not take (argparse exits), a bug: shown as is

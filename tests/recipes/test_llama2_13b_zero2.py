@@ -351,7 +351,7 @@ def test_the_readme_make_command_with_2_gpus_trains_with_cpu_adam(run, tiny_llam
 
 def test_fp16_config_carries_the_seeds_loss_scaler():
     """The fp16 config as DeepSpeed's parser reads it, on every CPU (also in
-    tests/unit/launch/test_launch_checks.py); where the CPU has fp16 kernels, test_fp16_trains_... runs it."""
+    tests/unit/launch/test_config_checks.py); where the CPU has fp16 kernels, test_fp16_trains_... runs it."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     raw = json.loads((RECIPE / "configs/zero2-fp16.json").read_text())
@@ -455,7 +455,7 @@ def test_the_check_says_a_bad_input_in_one_line_under_either_launcher(launcher, 
     ("accum_contradicts_json", r"bad\.json sets gradient_accumulation_steps = 4 but the script was given "
                                r"--gradient_accumulation_steps 2\. Set the JSON value to \"auto\""),
     ("micro_batch_contradicts_json", r"sets train_micro_batch_size_per_gpu = 4 .*--per_device_train_batch_size 1"),
-    ("checkpoint_every_zero", r"--activation_checkpointing_kwargs' every_n_layers 0: activation checkpointing "
+    ("recompute_every_zero", r"--activation_checkpointing_kwargs' every_n_layers 0: activation checkpointing "
                               r"applies to every N-th decoder layer"),
 ])
 def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama2, tmp_path, monkeypatch):
@@ -481,7 +481,7 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--deepspeed"] = str(tmp_path / "z3.json")
     elif case == "seq_len_too_long":
         args["--max_seq_len"] = "8192"
-    elif case == "checkpoint_every_zero":
+    elif case == "recompute_every_zero":
         args["--activation_checkpointing_kwargs"] = '{"every_n_layers": 0}'
     elif case in ("accum_contradicts_json", "micro_batch_contradicts_json"):
         cfg = json.loads((RECIPE / "configs/zero2.json").read_text())

@@ -300,7 +300,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
 
 def test_the_same_reviews_split_four_ways_train_one_adapter(split_run):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): each review's loss over
-    the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (training.steps'
+    the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (training.loop's
     unit tests show a short micro-batch weighing no more than a full one, which these full ones cannot)."""
     runs = {split: split_run(*split) for split in SPLITS}
     # the two-class head's bf16 logits move its loss in steps of 2**-10 (see the golden test): measured here within

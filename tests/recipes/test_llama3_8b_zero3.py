@@ -174,7 +174,7 @@ def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tin
 
 LEVERS = {"whole-logits-loss": (("--loss-chunks", "0"), {"loss_chunks": 0, "loss_kernel": "none"}),
           "activations-offloaded": (("--offload-activations",), {"offload_activations": True}),
-          "every-other-layer-checkpointed": (("--checkpoint-every", "2"), {"checkpoint_every": 2}),
+          "every-other-layer-checkpointed": (("--recompute-every", "2"), {"recompute_every": 2}),
           "compiled-layers-fsdp2": (("--compile",), {"compiled": True})}
 
 
@@ -192,7 +192,7 @@ def test_the_speed_and_memory_levers_train_the_same(lever, recipe_copy, tiny_lla
     assert_finished(proc, STEPS)
     assert_matches_golden(losses(output), FSDP_GOLDEN if fsdp2 else GOLDEN, STEPS)
     record = json.loads((output / "run_record.json").read_text())["training"]
-    default = {"loss_chunks": 8, "loss_kernel": "chunked", "offload_activations": False, "checkpoint_every": 1,
+    default = {"loss_chunks": 8, "loss_kernel": "chunked", "offload_activations": False, "recompute_every": 1,
                "compiled": False}
     assert {key: record[key] for key in default} == {**default, **recorded}
 
@@ -684,8 +684,8 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
                             r"launch --config_file configs/fsdp2\.yaml\), or drop --compile\."),
     ("liger_without_cuda", r"--loss-kernel liger: Liger-Kernel's fused loss is a Triton kernel for CUDA GPUs.* "
                            r"pass --loss-kernel chunked"),
-    ("checkpoint_every_zero", r"--checkpoint-every 0: activation checkpointing applies to every N-th decoder layer.* "
-                              r"Pass --checkpoint-every 1"),
+    ("recompute_every_zero", r"--recompute-every 0: activation checkpointing applies to every N-th decoder layer.* "
+                              r"Pass --recompute-every 1"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -723,8 +723,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--compile"] = True
     elif case == "liger_without_cuda":
         args["--loss-kernel"] = "liger"
-    elif case == "checkpoint_every_zero":
-        args["--checkpoint-every"] = "0"
+    elif case == "recompute_every_zero":
+        args["--recompute-every"] = "0"
     elif case == "deepspeed_typo":
         config = json.loads((RECIPE / "configs/zero3.json").read_text())
         config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(

@@ -39,8 +39,8 @@ def package_names(tree: ast.Module) -> set[str]:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_a_recipe_is_a_short_script_over_a_few_package_names(recipe):
-    """The bookkeeping lives in the package (training.run): a recipe keeps its data, model and
-    loop body, readable top to bottom, with the launch command in its docstring."""
+    """The bookkeeping lives in the package (finetune_kit.training): a recipe keeps its flags, data, model and
+    loop, readable top to bottom, with the launch command in its docstring."""
     source = (recipe / "train.py").read_text()
     tree = ast.parse(source)
     assert "launch" in (ast.get_docstring(tree) or "") or "deepspeed --num_gpus" in ast.get_docstring(tree)
@@ -48,4 +48,4 @@ def test_a_recipe_is_a_short_script_over_a_few_package_names(recipe):
     assert len(names) <= 8, sorted(names)
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.end_lineno - main.lineno + 1 <= 80, f"main() is {main.end_lineno - main.lineno + 1} lines"
-    assert len(source.splitlines()) <= 180
+    assert len(source.splitlines()) <= 185  # the 70B: 15 flags of its own in its Arguments

@@ -13,7 +13,7 @@
   alone (tests/unit/data/test_packing.py checks the losses agree).
 
 Collators also return ``example_ids`` (the source rows in each row): pop it before the
-forward pass (``TrainingRun.batches`` and :class:`RowRecorder` do).
+forward pass (``training.steps`` and :class:`RowRecorder` do).
 """
 
 from __future__ import annotations

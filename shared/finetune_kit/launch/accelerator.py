@@ -46,8 +46,22 @@ def on_cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
+class RecipeAccelerator(Accelerator):
+    """accelerate's Accelerator, whose prepared learning-rate schedules step once per optimizer step.
+
+    accelerate steps a prepared schedule once per rank at each optimizer step (it assumes one written
+    for a single process's data); the recipes' schedules count optimizer steps, as DeepSpeed, which
+    steps its own once. Once, then: the schedule's state is in optimizer steps under FSDP2 as under
+    DeepSpeed, and resumes on any number of ranks."""
+
+    def prepare_scheduler(self, scheduler):
+        prepared = super().prepare_scheduler(scheduler)
+        prepared.split_batches = True  # AcceleratedScheduler.step: one step, not one per process
+        return prepared
+
+
 def make_accelerator(**kwargs) -> Accelerator:
-    """``Accelerator(**kwargs)`` whose process group fails a collective after
+    """A :class:`RecipeAccelerator` with ``kwargs`` whose process group fails a collective after
     :func:`~finetune_kit.launch.env.collective_timeout_s`; gloo on CPU-only machines."""
     handlers = list(kwargs.pop("kwargs_handlers", []) or [])
     timeout = timedelta(seconds=env.collective_timeout_s())
@@ -57,7 +71,7 @@ def make_accelerator(**kwargs) -> Accelerator:
         handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL: accelerate's own backend
     if fsdp.launched():
         kwargs.setdefault("fsdp_plugin", fsdp.plugin())  # the YAML's settings, fp32 gradient reduction
-    accelerator = Accelerator(kwargs_handlers=handlers, **kwargs)
+    accelerator = RecipeAccelerator(kwargs_handlers=handlers, **kwargs)
     release_shm_buffer(lambda: accelerator.wait_for_everyone())
     if fsdp.launched() and accelerator.distributed_type != DistributedType.FSDP:
         _fsdp_on_cpu(accelerator, kwargs["fsdp_plugin"])

@@ -67,7 +67,7 @@ class Training(_Strict):
     grad_accum: int
     global_batch_size: int  # sequences per optimizer step
     gradient_checkpointing: bool
-    checkpoint_every: int = 1  # every N-th decoder layer checkpointed (1: all), when gradient_checkpointing
+    recompute_every: int = 1  # every N-th decoder layer checkpointed (1: all), when gradient_checkpointing
     compiled: bool = False  # decoder layers through torch.compile
     packing: bool = False
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)

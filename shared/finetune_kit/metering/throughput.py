@@ -121,9 +121,12 @@ class ThroughputMeter:
         """Restart timing, e.g. after a checkpoint save or evaluation pause."""
         self._last = time.perf_counter()
 
-    def step(self, tokens: int, padded_tokens: int | None = None, flops: float | None = None) -> StepRate:
+    def step(self, tokens: int, padded_tokens: int | None = None, flops: float | None = None,
+             seconds: float | None = None) -> StepRate:
+        """``seconds``: the step's own time, where the caller measured it; else the time since the
+        previous step (or :meth:`reset_clock`)."""
         now = time.perf_counter()
-        elapsed = max(now - self._last, 1e-9)
+        elapsed = max(now - self._last if seconds is None else seconds, 1e-9)
         self._last = now
         self.total_tokens += tokens
         rate = tokens / elapsed

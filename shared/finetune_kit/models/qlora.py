@@ -107,17 +107,17 @@ def load_quantized_classifier(model: str, quantization=None, *, pad_token_id: in
     return net
 
 
-def add_lora(model, config, *, gradient_checkpointing: bool = True, checkpoint_every: int = 1):
+def add_lora(model, config, *, gradient_checkpointing: bool = True, recompute_every: int = 1):
     """Freeze the base and wrap it with the adapters of ``config`` (a peft ``LoraConfig``); a
     ConfigError when a named target matches no layer. With ``gradient_checkpointing``, every
-    ``checkpoint_every``-th decoder layer is checkpointed. On a CPU-only machine the 4-bit layers are
+    ``recompute_every``-th decoder layer is checkpointed. On a CPU-only machine the 4-bit layers are
     kept out of bitsandbytes' CPU repacking (:func:`keep_cpu_weights_unpacked`)."""
     from peft import get_peft_model
 
     if gradient_checkpointing:
         # non-reentrant: works with frozen inputs and ZeRO-3's parameter hooks
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=checkpoint_every)
+                                              every_n_layers=recompute_every)
         model.enable_input_require_grads()  # frozen embeddings: let gradients reach the checkpointed blocks
         model.config.use_cache = False
     targets = config.target_modules

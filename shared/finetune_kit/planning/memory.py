@@ -222,7 +222,7 @@ def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpu
 # ---------------------------------------------------------------------------------------------
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient_checkpointing: bool, *,
                      num_labels: int | None = None, kv_repeated: bool = True, loss_chunks: int = 0,
-                     checkpoint_every: int = 1) -> dict[str, int]:
+                     recompute_every: int = 1) -> dict[str, int]:
     """Peak activation bytes per GPU for one micro-batch of a Llama decoder in bf16.
 
     Method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -245,7 +245,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     checkpointing all L layers are kept. With full activation checkpointing (every decoder layer,
     as ``gradient_checkpointing_enable`` does) only each layer's bf16 input is kept (2h·L, the
     paper's 2sbhL) and one layer's activations are rebuilt at a time in backward. With
-    ``checkpoint_every`` k > 1 (transformers' ``every_n_layers``) layers 0, k, 2k, ... are
+    ``recompute_every`` k > 1 (transformers' ``every_n_layers``) layers 0, k, 2k, ... are
     checkpointed, ceil(L/k) of them, and the others keep all their activations.
 
     The loss, V = vocab (128256 for Llama 3: the largest single term): the forward holds the head's
@@ -270,7 +270,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     loss_tokens = -(-tokens // loss_chunks) if loss_chunks and not num_labels else tokens
     loss = 3 * FP32 * outputs * loss_tokens
     layers = shape.num_hidden_layers
-    checkpointed = -(-layers // checkpoint_every) if gradient_checkpointing else 0
+    checkpointed = -(-layers // recompute_every) if gradient_checkpointing else 0
     kept = (2 * h * checkpointed + per_layer * (layers - checkpointed)) * tokens
     rebuilt = per_layer * tokens if checkpointed else 0
     return {"kept": kept + final, "loss": loss, "recompute": rebuilt, "peak": kept + final + max(loss, rebuilt)}
@@ -294,7 +294,7 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True
-    checkpoint_every: int = 1  # with checkpointing: every N-th decoder layer (1: all of them)
+    recompute_every: int = 1  # with checkpointing: every N-th decoder layer (1: all of them)
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
     offload_activations: bool = False  # activations saved for backward kept in pinned host memory
     adapter: Adapter | None = None
@@ -449,10 +449,10 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         if s.adapter.quantized:
             result.gpu_parts["dequantised weight (bf16)"] = biggest_linear * BF16
     act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels,
-                           loss_chunks=s.loss_chunks, checkpoint_every=s.checkpoint_every)
+                           loss_chunks=s.loss_chunks, recompute_every=s.recompute_every)
     kept_label = "activations kept, " + ("all layers (no checkpointing)" if not s.gradient_checkpointing
-                                         else "layer inputs only (checkpointing)" if s.checkpoint_every == 1
-                                         else f"every {_ordinal(s.checkpoint_every)} layer checkpointed, the "
+                                         else "layer inputs only (checkpointing)" if s.recompute_every == 1
+                                         else f"every {_ordinal(s.recompute_every)} layer checkpointed, the "
                                               "others whole")
     if s.offload_activations:  # models.activation_offload: what autograd keeps lives in pinned host memory
         result.host_parts["activations offloaded (pinned)"] = act["kept"] * s.gpus_per_node
@@ -605,10 +605,10 @@ def local_gpu_memory_GiB() -> float | None:
     return info["free"] if info else torch.cuda.get_device_properties(index).total_memory / GiB
 
 
-def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
+def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
               num_labels: int | None = None, loss_chunks: int = 0, offload_activations: bool = False,
-              checkpoint_every: int = 1, gpu_memory_GiB: float | None = None,
+              recompute_every: int = 1, gpu_memory_GiB: float | None = None,
               host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
               flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
@@ -639,7 +639,7 @@ def preflight(model_config, ds_config: dict | None, *, world_size: int, micro_ba
     fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
                   host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
                   gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels,
-                  loss_chunks=loss_chunks, offload_activations=offload_activations, checkpoint_every=checkpoint_every)
+                  loss_chunks=loss_chunks, offload_activations=offload_activations, recompute_every=recompute_every)
     setup = setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")

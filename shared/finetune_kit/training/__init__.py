@@ -1,8 +1,34 @@
-"""Training: a run from preflight to records.
+"""Training: a run from its checks to its records, in parts a recipe holds.
 
-:mod:`.preflight` (every check before anything heavy), :mod:`.run` (the loop around an accelerate
-recipe's body), :mod:`.trainer_run` and :mod:`.trainer` (the HF Trainer's loop, metered the same way),
-:mod:`.ending` (what both share and the end: records, summary), :mod:`.checkpoints` (layout, atomic
-save, which to resume), :mod:`.resharding` (resume on another number of ranks), :mod:`.nvme_resume`,
-:mod:`.final_model` (model, Trainer model or adapter), :mod:`.arguments` (the shared flags),
-:mod:`.evaluation`, :mod:`.partitions` (ZeRO shard reports) and :mod:`.preemption` (stop signals)."""
+:mod:`.arguments` (the flags, one dataclass family), :mod:`.preflight` (every check before anything heavy),
+:mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the schedule, the position, each
+step's micro-batches and labelled tokens), :mod:`.checkpoints` (the checkpointer: layout, atomic save,
+resume), :mod:`.stop` (stop signals), :mod:`.records` (the step meter, validations, the run's records),
+:mod:`.final_model` (model, Trainer model or adapter), :mod:`.evaluation`, :mod:`.hf_trainer` (the HF
+Trainer recipe's loop); and what they stand on: :mod:`.resharding` (resume on another number of ranks),
+:mod:`.adam_resume` and :mod:`.nvme_resume` (what DeepSpeed's load leaves out), :mod:`.partitions`
+(ZeRO shard reports). The names a recipe uses are importable from here.
+"""
+
+from importlib import import_module
+
+_LAZY = {
+    **dict.fromkeys(("ModelArguments", "InstructionData", "Kernels", "LoopArguments", "flag", "parse"),
+                    "finetune_kit.training.arguments"),
+    **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.preflight"),
+    **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
+    **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
+    "Checkpointer": "finetune_kit.training.checkpoints",
+    "StopSignal": "finetune_kit.training.stop",
+    **dict.fromkeys(("DataSplit", "step_meter", "validation", "finish", "stopped", "batch_shape"),
+                    "finetune_kit.training.records"),
+    **dict.fromkeys(("save_consolidated", "save_adapter", "save_trainer_model"), "finetune_kit.training.final_model"),
+    "evaluate_loss": "finetune_kit.training.evaluation",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):  # lazy: the checks and the planner import parts of this package without torch
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'finetune_kit.training' has no attribute {name!r}")

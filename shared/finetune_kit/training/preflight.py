@@ -6,7 +6,7 @@ loop, launched with a DeepSpeed JSON or an FSDP2 accelerate YAML) and :func:`for
 model's config and the sequence length, the engine's config and its batch sizes, the memory
 plan, the CUDA ops and NVMe paths it needs, the metrics port and trackers, and the output
 folder (writable, room for a checkpoint, a resumable checkpoint of the same run); both return
-a :class:`Preflight` that the run reads from then on. Each failure is one ConfigError that
+a :class:`CheckedLaunch` that the run reads from then on. Each failure is one ConfigError that
 names the value, the rule and the fix.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit import output_lock, outputs
-from finetune_kit.errors import ConfigError
-from finetune_kit.launch import checks, cuda_ops, env, fsdp, nvme
+from finetune_kit.errors import ConfigError, DataError
+from finetune_kit.launch import config_checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
@@ -37,7 +37,7 @@ FSDP_CONFIG = "accelerate launch --config_file configs/fsdp2.yaml"  # where a re
 
 
 @dataclass(frozen=True)
-class Preflight:
+class CheckedLaunch:
     """What the checks established; the run reads it, nothing changes it."""
 
     recipe: str
@@ -72,10 +72,12 @@ class Preflight:
 
 def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
                    num_labels: int | None = None, adapter: Adapter | None = None,
-                   resume_must_match: dict | None = None) -> Preflight:
-    """The checks of a recipe whose ``args`` carry the flags of ``training.arguments.recipe_parser``.
+                   resume_must_match: dict | None = None) -> CheckedLaunch:
+    """The checks of a recipe whose ``args`` carry the flags of ``training.arguments``' families.
     ``launch``/``configs``: the launch command and the configs to suggest; ``resume_must_match``: the
     recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
+    if getattr(args, "data", "") is None:
+        raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     model_config, shape = _model(args.model, args.max_seq_len)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _attention(getattr(args, "attention", "auto"), "--attention")
@@ -93,8 +95,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         fsdp.check_settings(fsdp_launch, model_config=model_config, gradient_checkpointing=args.gradient_checkpointing)
         ds_path, ds_config = None, {}
     else:
-        ds_path, ds_config = checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
-        checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+        ds_path, ds_config = config_checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
+        config_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
                                  world=env.world_size(), source=str(ds_path))
     identity = {"architecture": architecture(model_config, shape), "method": method, "num_labels": num_labels,
                 "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
@@ -107,7 +109,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
         memory_kwargs=dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
                            gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
-                           checkpoint_every=_checkpoint_every(args.checkpoint_every, "--checkpoint-every"),
+                           recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
                            loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
                            offload_activations=args.offload_activations,
                            adapter=adapter, skip=args.skip_memory_check),
@@ -117,21 +119,23 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
-def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> Preflight:
+def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> CheckedLaunch:
     """The same checks for an HF Trainer recipe: ``recipe_args`` (model, max_seq_len,
     skip_memory_check) and TrainingArguments' fields as parsed, before they are built. Fills
     ``bf16``/``fp16`` left as None in ``trainer_kwargs`` from the DeepSpeed JSON."""
+    if getattr(recipe_args, "data", "") is None:
+        raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     ds_path = trainer_kwargs["deepspeed"]
     if not ds_path:
         raise ConfigError(f"no DeepSpeed config: pass --deepspeed {configs}.")
-    ds_config = checks.load_deepspeed_config(ds_path)
-    if checks.zero_stage(ds_config) != zero_stage:
-        raise ConfigError(f"{ds_path} sets ZeRO stage {checks.zero_stage(ds_config)}; this recipe is "
+    ds_config = config_checks.load_deepspeed_config(ds_path)
+    if config_checks.zero_stage(ds_config) != zero_stage:
+        raise ConfigError(f"{ds_path} sets ZeRO stage {config_checks.zero_stage(ds_config)}; this recipe is "
                           f"ZeRO-{zero_stage}. Use {configs}.")
-    for key, from_json in checks.precision_flags(ds_config).items():
+    for key, from_json in config_checks.precision_flags(ds_config).items():
         if trainer_kwargs[key] is None:  # --bf16/--fp16 not given: the JSON decides
             trainer_kwargs[key] = from_json
-    checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
+    config_checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
     _attention(getattr(recipe_args, "attention", "auto"), "--attention")
@@ -159,8 +163,8 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
         memory_kwargs=dict(micro_batch=trainer_kwargs["per_device_train_batch_size"],
                            seq_len=recipe_args.max_seq_len,
                            gradient_checkpointing=trainer_kwargs["activation_checkpointing"],
-                           checkpoint_every=_checkpoint_every(
-                               checkpoint_every(trainer_kwargs.get("activation_checkpointing_kwargs")),
+                           recompute_every=_recompute_every(
+                               recompute_every(trainer_kwargs.get("activation_checkpointing_kwargs")),
                                "--activation_checkpointing_kwargs' every_n_layers"),
                            loss_chunks=_loss_chunks(getattr(recipe_args, "loss_chunks", 0), "--loss_chunks"),
                            offload_activations=getattr(recipe_args, "offload_activations", False),
@@ -177,9 +181,9 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, script_args: dict, method: str = "full",
-            num_labels: int | None = None) -> Preflight:
+            num_labels: int | None = None) -> CheckedLaunch:
     """The checks both front ends share, in order: memory, engine needs, metrics, output, resume, disk."""
-    plan = memory.preflight(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
+    plan = memory.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
                             **memory_kwargs)
     if fsdp_launch is None:
         cuda_ops.check_ops(ds_config, quantized=method == "qlora")
@@ -201,13 +205,13 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate, layout), layout)
         if problem:
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
-    return Preflight(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
+    return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
                      identity, estimate, script_args, method=method, num_labels=num_labels)
 
 
 def _stage(fsdp_launch, ds_config: dict) -> int:
     """ZeRO's stage, or 3 for FSDP2's full sharding."""
-    return 3 if fsdp_launch is not None else checks.zero_stage(ds_config)
+    return 3 if fsdp_launch is not None else config_checks.zero_stage(ds_config)
 
 
 def _loss_chunks(chunks: int, flag: str) -> int:
@@ -217,7 +221,7 @@ def _loss_chunks(chunks: int, flag: str) -> int:
     return chunks
 
 
-def checkpoint_every(activation_checkpointing_kwargs) -> int:
+def recompute_every(activation_checkpointing_kwargs) -> int:
     """``every_n_layers`` of the Trainer's ``--activation_checkpointing_kwargs`` (a dict, or its JSON
     as parsed from the command line); 1 when absent."""
     kwargs = activation_checkpointing_kwargs or {}
@@ -226,7 +230,7 @@ def checkpoint_every(activation_checkpointing_kwargs) -> int:
     return kwargs.get("every_n_layers", 1)
 
 
-def _checkpoint_every(every: int, flag: str) -> int:
+def _recompute_every(every: int, flag: str) -> int:
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"{flag} {every}: activation checkpointing applies to every N-th decoder layer, N a whole "
                           f"number from 1 (every layer, the default). Pass {flag} 1, or 2 to keep every other "

@@ -216,7 +216,7 @@ def test_preflight_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
     from transformers import PreTrainedModel
 
-    from finetune_tools.gpu_check import preflight
+    from finetune_tools.gpu_check import host_check as preflight
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no accelerate, deepspeed, c++ or g++
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
@@ -237,7 +237,7 @@ def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
     import os
     import sys
 
-    from finetune_tools.gpu_check import preflight
+    from finetune_tools.gpu_check import host_check as preflight
 
     # the stack's launchers live beside its Python
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
@@ -247,7 +247,7 @@ def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
 
 def test_a_librarys_own_requirements_are_checked_against_what_is_installed(monkeypatch):
     """An image's older pyarrow under the pinned datasets: named with both versions."""
-    from finetune_tools.gpu_check import preflight
+    from finetune_tools.gpu_check import host_check as preflight
 
     real = preflight.metadata.requires
     monkeypatch.setattr(preflight.metadata, "requires",

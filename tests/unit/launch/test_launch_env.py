@@ -113,7 +113,7 @@ def test_several_cpu_processes_get_the_gloo_backend_and_the_timeout(two_nodes, m
 
     from accelerate.utils import InitProcessGroupKwargs
 
-    monkeypatch.setattr(distributed, "Accelerator", lambda **kwargs: kwargs)  # what it would be built with
+    monkeypatch.setattr(distributed, "RecipeAccelerator", lambda **kwargs: kwargs)  # what it would be built with
     monkeypatch.setattr(distributed, "release_shm_buffer", lambda barrier: None)  # no process group here
     monkeypatch.setattr(distributed, "on_cpu_only", lambda: True)
     mine = object()

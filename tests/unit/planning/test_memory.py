@@ -267,7 +267,7 @@ DS_ZERO3 = {"zero_optimization": {"stage": 3}}
 
 def test_preflight_raises_with_numbers_and_fix():
     with pytest.raises(ConfigError) as err:
-        memory.preflight("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
+        memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                          gradient_checkpointing=True, gpu_memory_GiB=80)
     text = str(err.value)
     assert "167.6 GiB per GPU of 80" in text and "87.6 GiB short" in text
@@ -276,7 +276,7 @@ def test_preflight_raises_with_numbers_and_fix():
 
 def test_preflight_skip_logs_instead_of_raising(caplog):
     with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
-        p = memory.preflight("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
+        p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=True, gpu_memory_GiB=80, skip=True)
     assert p.fits is False and "does not fit" in caplog.text
 
@@ -285,7 +285,7 @@ def test_preflight_skip_logs_instead_of_raising(caplog):
 def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
-        p = memory.preflight("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
+        p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=False)
     assert p.fits is None and p.setup.gpus == 2 and "not checked" in caplog.text
     record = p.to_dict()
@@ -294,11 +294,11 @@ def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
 
 def test_preflight_reads_the_zero2_trainer_and_qlora_cases():
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
-    p = memory.preflight("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
+    p = memory.check_fits("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
                          gradient_checkpointing=True, gpu_memory_GiB=80,
                          flags={"micro_batch": "--per_device_train_batch_size"})
     assert p.setup.stage == 2 and p.setup.offload_optimizer
-    q = memory.preflight("llama3.3-70b", {"zero_optimization": {"stage": 3}}, world_size=8, gpus_per_node=4,
+    q = memory.check_fits("llama3.3-70b", {"zero_optimization": {"stage": 3}}, world_size=8, gpus_per_node=4,
                          micro_batch=1, seq_len=4096, gradient_checkpointing=True, adapter=Adapter(rank=16),
                          num_labels=3, gpu_memory_GiB=80)
     assert q.setup.nodes == 2 and q.fits
@@ -351,18 +351,18 @@ def test_checkpointing_every_nth_layer_keeps_the_other_layers_whole(every):
     h, L, tokens = shape.hidden_size, shape.num_hidden_layers, 2048
     full = activation_bytes(shape, 1, tokens, False)
     all_layers = activation_bytes(shape, 1, tokens, True)
-    act = activation_bytes(shape, 1, tokens, True, checkpoint_every=every)
+    act = activation_bytes(shape, 1, tokens, True, recompute_every=every)
     per_layer = (full["kept"] - 8 * h * tokens) // (L * tokens)
     checkpointed = -(-L // every)
     assert act["kept"] == (2 * h * checkpointed + per_layer * (L - checkpointed) + 8 * h) * tokens
     assert all_layers["kept"] < act["kept"] < full["kept"]
     assert act["recompute"] == all_layers["recompute"]  # one checkpointed layer rebuilt at a time
-    assert activation_bytes(shape, 1, tokens, True, checkpoint_every=1) == all_layers
+    assert activation_bytes(shape, 1, tokens, True, recompute_every=1) == all_layers
 
 
 @pytest.mark.parametrize("every", [1, 2, 3])
 def test_the_planners_checkpointed_layers_are_the_ones_transformers_checkpoints(every):
-    """transformers' every_n_layers (the recipes' --checkpoint-every) checkpoints layers 0, n, 2n, ...:
+    """transformers' every_n_layers (the recipes' --recompute-every) checkpoints layers 0, n, 2n, ...:
     ceil(L/n) of them, as activation_bytes counts."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -374,6 +374,6 @@ def test_the_planners_checkpointed_layers_are_the_ones_transformers_checkpoints(
 
 
 def test_the_plan_names_the_partly_checkpointed_activations():
-    result = plan("llama3-8b", Setup(gpus_per_node=8, micro_batch=2, seq_len=2048, checkpoint_every=2))
+    result = plan("llama3-8b", Setup(gpus_per_node=8, micro_batch=2, seq_len=2048, recompute_every=2))
     assert "activations kept, layer inputs, all of the others (every 2th layer checkpointed)" not in result.gpu_parts
     assert "activations kept, every 2nd layer checkpointed, the others whole" in result.gpu_parts

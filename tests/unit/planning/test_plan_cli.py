@@ -13,7 +13,7 @@ from tests.harness import REPO
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune_kit.planning", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "finetune_tools.planning", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=60)
 
 
@@ -41,7 +41,8 @@ def test_cli_qlora_sequence_classification_fits():
 
 def test_planner_needs_neither_torch_nor_deepspeed():
     """`make plan` runs with a bare Python: the planner imports no heavy library."""
-    code = "import sys, finetune_kit.planning; print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))"
+    code = ("import sys, finetune_tools.planning.cli; "
+            "print(sorted({'torch', 'deepspeed', 'transformers'} & set(sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert proc.stdout.strip() == "[]"
 

@@ -259,7 +259,7 @@ def test_a_fresh_start_never_overwrites_a_model_an_unfinished_run_left(tmp_path)
 def test_the_trainer_checks_the_disk_before_each_checkpoint_it_writes(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from finetune_kit.training.trainer import RoomToSaveCallback
+    from finetune_kit.training.hf_trainer import RoomToSaveCallback
 
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / checkpoints.STATE_FILE).write_text("{}")

@@ -12,7 +12,7 @@ from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 from finetune_kit.models.shapes import ModelShape
-from finetune_kit.training.trainer import MeteringCallback
+from finetune_kit.training.hf_trainer import MeteringCallback
 
 TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
@@ -21,7 +21,7 @@ TINY = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def fake_trainer(monkeypatch, tmp_path, main=True):
     clock = iter(float(t) for t in range(100))
     monkeypatch.setattr("finetune_kit.metering.throughput.time.perf_counter", lambda: next(clock))
-    trainer = SimpleNamespace(tally=StepTally(FlopCounter(TINY)), meter=ThroughputMeter(2), accelerator=None)
+    trainer = SimpleNamespace(tally=StepTally(FlopCounter(TINY)), rates=ThroughputMeter(2), accelerator=None)
     return trainer, MeteringCallback(trainer, MetricsLog(tmp_path, enabled=main))
 
 
@@ -50,7 +50,7 @@ def test_one_line_per_logged_step_with_the_8b_names(monkeypatch, tmp_path):
     flops = 5 * FlopCounter(TINY).per_token(4)
     assert rec["model_tflop_per_s_per_device"] == pytest.approx(flops / rec["step_time_s"] / 2 / 1e12)
     assert "tokens_per_s" in logs and "host_rss_GiB" in logs  # on the Trainer's log line, metrics.jsonl names
-    assert [r.tokens for r in trainer.meter.history] == [5, 2]  # every step is metered, logged or not
+    assert [r.tokens for r in trainer.rates.history] == [5, 2]  # every step is metered, logged or not
 
 
 def test_only_the_main_process_writes(monkeypatch, tmp_path):
@@ -89,6 +89,9 @@ class FakeEndpoint:
 
     def rank_tokens(self, n):
         self.tokens += n
+
+    def close(self):
+        self.closed = True
 
 
 def test_trackers_get_every_figure_and_the_endpoint_every_step(monkeypatch, tmp_path):

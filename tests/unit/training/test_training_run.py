@@ -1,45 +1,21 @@
-"""TrainingRun's bookkeeping that runs without DeepSpeed: position, split ids, trainable counts, the step plan;
+"""A run's bookkeeping that needs no DeepSpeed: the position, the schedule, the split's ids, trainable counts;
 and the per-rank partition report of run_info.json."""
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.training.ending import Position, describe_eval, example_ids, trainable_parameters
+from finetune_kit.training.loop import Position, Schedule
 from finetune_kit.training.partitions import parameter_partition, rank_report
-from finetune_kit.training.preflight import Preflight
-from finetune_kit.training.run import TrainingRun
-
-
-def make_run(**args) -> TrainingRun:
-    defaults = {"micro_batch_size": 2, "grad_accum": 1, "epochs": 1, "max_steps": 0}
-    checked = Preflight(recipe="tiny", output=Path("out"), model_config=None, shape=None, ds_path=Path("zero3.json"),
-                        ds_config={}, fsdp=None, memory_plan=None, resume_from=None, identity={},
-                        checkpoint_estimate=0, script_args={})
-    return TrainingRun(checked, SimpleNamespace(**{**defaults, **args}))
-
-
-def loader(examples: int, batch_size: int) -> DataLoader:
-    return DataLoader(list(range(examples)), batch_size=batch_size)
-
-
-class Processes:
-    """The Accelerator as plan_steps reads it."""
-
-    def __init__(self, n: int):
-        self.num_processes = n
+from finetune_kit.training.records import DataSplit, describe_eval, example_ids, trainable_parameters
 
 
 def test_position_as_dict_and_fresh_run_defaults():
     assert Position(step=7, epoch=1, batch_in_epoch=12).as_dict() == {"step": 7, "epoch": 1, "batch_in_epoch": 12}
-    run = make_run()
-    assert run.position.as_dict() == {"step": 0, "epoch": 0, "batch_in_epoch": 0}
-    assert run.position is not make_run().position  # each run its own
+    assert Position().as_dict() == {"step": 0, "epoch": 0, "batch_in_epoch": 0}
 
 
 def test_example_ids_from_either_column():
@@ -49,12 +25,8 @@ def test_example_ids_from_either_column():
     single = datasets.Dataset.from_dict({"example_id": [5, 0, 8], "input_ids": [[1], [2], [3]]})
     assert example_ids(packed) == [4, 9, 2, 7, 1, 3]
     assert example_ids(single) == [5, 0, 8]
-
-    run = make_run()
-    run.record_split(packed, single)
-    assert (run.train_examples, run.eval_example_ids) == (3, [5, 0, 8])
-    run.record_split(single, None)
-    assert (run.train_examples, run.eval_example_ids) == (3, [])
+    assert DataSplit.of(packed, single) == DataSplit(3, [5, 0, 8])
+    assert DataSplit.of(single) == DataSplit(3, [])
 
 
 def test_trainable_parameters_skip_frozen_and_read_zero3_full_sizes():
@@ -79,19 +51,16 @@ def test_describe_eval():
     (10, 1, 2, 4, 20, 2, 8),    # max_steps above the plan changes nothing
     (10, 1, 1, 2, None, 5, 10),
 ])
-def test_plan_steps(examples, world, grad_accum, epochs, max_steps, per_epoch, total):
-    run = make_run(grad_accum=grad_accum, epochs=epochs, max_steps=max_steps)
-    run.accelerator = Processes(world)
-    assert run.plan_steps(loader(examples, 2)) == total
-    assert (run.steps_per_epoch, run.total_steps) == (per_epoch, total)
+def test_the_schedule(examples, world, grad_accum, epochs, max_steps, per_epoch, total):
+    args = SimpleNamespace(micro_batch_size=2, grad_accum=grad_accum, epochs=epochs, max_steps=max_steps)
+    assert Schedule.plan(examples, args, world) == Schedule(per_epoch, total)
 
 
 def test_no_full_step_names_the_numbers_and_the_flags():
-    run = make_run(grad_accum=4)
-    run.accelerator = Processes(2)
+    args = SimpleNamespace(micro_batch_size=2, grad_accum=4, epochs=1, max_steps=None)
     with pytest.raises(ConfigError, match=r"^10 training examples make no full optimizer step of 2 x 4 x 2 "
                                           r"processes; lower --micro-batch-size or --grad-accum, or add data\.$"):
-        run.plan_steps(loader(10, 2))  # a global batch of 16
+        Schedule.plan(10, args, 2)  # a global batch of 16
 
 
 # ---- partitions ----

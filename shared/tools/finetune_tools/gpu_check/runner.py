@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune_tools.gpu_check import ablation, preflight
+from finetune_tools.gpu_check import ablation, host_check
 from finetune_tools.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
 from finetune_tools.gpu_check.synthetic import SHORT_PER_ROW, build_model, check_shape, write_data
 from finetune_tools.paths import find_root
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     runnable = [c for c in cases if not (tiny and c.gpu_only)]
     specs = sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable})
     unbuilt = [(a, n) for a, _, n in specs if not (model_folder(out, a, n, tiny) / "config.json").is_file()]
-    found = preflight.problems(runnable, out, gpu=gpu and not tiny,
+    found = host_check.problems(runnable, out, gpu=gpu and not tiny,
                                model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
                                gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None)
     if found:

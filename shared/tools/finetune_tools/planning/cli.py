@@ -101,8 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
     run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     run.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
-    run.add_argument("--checkpoint-every", type=int, default=1,
-                     help="checkpoint every N-th decoder layer, as the recipes' --checkpoint-every (1: all)")
+    run.add_argument("--recompute-every", type=int, default=1,
+                     help="checkpoint every N-th decoder layer, as the recipes' --recompute-every (1: all)")
     run.add_argument("--loss-chunks", type=int, default=0,
                      help="the LM loss this many token chunks at a time, as the recipes' --loss-chunks (0: whole)")
     run.add_argument("--offload-activations", action="store_true",
@@ -132,7 +132,7 @@ def setup_from_args(args) -> Setup:
         adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
     fields = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_GiB=args.gpu_memory_GiB,
                   host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size, seq_len=args.seq_len,
-                  gradient_checkpointing=args.gradient_checkpointing, checkpoint_every=args.checkpoint_every,
+                  gradient_checkpointing=args.gradient_checkpointing, recompute_every=args.recompute_every,
                   loss_chunks=args.loss_chunks,
                   offload_activations=args.offload_activations, adapter=adapter, num_labels=args.num_labels)
     if args.fsdp2:

@@ -11,7 +11,7 @@ from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2
 from finetune_tools.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
-              "gradient_checkpointing", "checkpoint_every", "loss_chunks", "offload_activations")
+              "gradient_checkpointing", "recompute_every", "loss_chunks", "offload_activations")
 
 
 def gib(value: int) -> str:

@@ -1,11 +1,11 @@
-"""A step's loss is the mean over its labelled tokens, however the batch is split (training/steps.py)."""
+"""A step's loss is the mean over its labelled tokens, however the batch is split (training/loop.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from finetune_kit.training.steps import Step, count_step, labelled_items
+from finetune_kit.training.loop import labelled_items, labelled_on_all_ranks
 
 
 def lm(path):
@@ -39,7 +39,7 @@ def test_labelled_items_is_what_the_causal_and_the_classifier_loss_average_over(
 
 
 class Ranks:
-    """What count_step reads of an Accelerator: here every rank's count is ``world`` times this one's."""
+    """What the step count reads of an Accelerator: here every rank's count is ``world`` times this one's."""
 
     def __init__(self, world: int, accumulation: int):
         self.num_processes, self.gradient_accumulation_steps, self.device = world, accumulation, torch.device("cpu")
@@ -49,21 +49,19 @@ class Ranks:
         return tensor * self.num_processes
 
 
-def test_a_step_counts_its_micro_batches_on_every_rank_and_undoes_the_engines_mean():
+def test_a_step_counts_its_micro_batches_on_every_rank():
     micro = [{"labels": torch.tensor([[-100, 5, 6, -100]])}, {"labels": torch.tensor([[-100, -100, 7, 8]])}]
-    step = count_step(micro, Ranks(world=4, accumulation=2))
-    assert isinstance(step, Step) and step.micro_batches is micro
-    assert int(step.labelled) == 4 * (2 + 2) and step.backward_scale == 2 * 4
+    assert int(labelled_on_all_ranks(micro, Ranks(world=4, accumulation=2))) == 4 * (2 + 2)
 
 
 def step_gradient(model, micro_batches: list[dict], token_mean: bool) -> torch.Tensor:
     """One optimizer step's gradient, accumulated as DeepSpeed does (each backward divided by the
-    accumulation steps); ``token_mean``: training.steps' loss, else each micro-batch's own mean."""
+    accumulation steps); ``token_mean``: training.loop's loss, else each micro-batch's own mean."""
     model.zero_grad()
-    step = count_step(micro_batches, Ranks(world=1, accumulation=len(micro_batches)))
+    labelled = labelled_on_all_ranks(micro_batches, Ranks(world=1, accumulation=len(micro_batches)))
     for batch in micro_batches:
-        if token_mean:
-            loss = model(**batch, num_items_in_batch=step.labelled).loss * step.backward_scale
+        if token_mean:  # the recipes' loss, with Step.backward_scale = accumulation x ranks
+            loss = model(**batch, num_items_in_batch=labelled).loss * len(micro_batches)
         else:
             loss = model(**batch).loss
         (loss / len(micro_batches)).backward()
@@ -86,10 +84,10 @@ def classifier_gradient(head, rows: torch.Tensor, labels: torch.Tensor, sizes: l
     """The gradient of a step of ``rows`` cut into micro-batches of ``sizes``, accumulated as DeepSpeed does."""
     head.zero_grad()
     micro = list(zip(rows.split(sizes), labels.split(sizes), strict=True))
-    step = count_step([{"labels": y} for _, y in micro], Ranks(world=1, accumulation=len(micro)))
+    labelled = labelled_on_all_ranks([{"labels": y} for _, y in micro], Ranks(world=1, accumulation=len(micro)))
     for x, y in micro:
         if token_mean:  # the 70B recipe's loss
-            loss = torch.nn.functional.cross_entropy(head(x), y, reduction="sum") / step.labelled * step.backward_scale
+            loss = torch.nn.functional.cross_entropy(head(x), y, reduction="sum") / labelled * len(micro)
         else:
             loss = torch.nn.functional.cross_entropy(head(x), y)
         (loss / len(micro)).backward()

@@ -6,12 +6,13 @@ import signal
 import pytest
 import torch
 
-from finetune_kit.training.preemption import SIGNALS, StopRequest, stop_line
+from finetune_kit.training.stop import SIGNALS, StopSignal, stop_line
 
 
 class OneRank:
     num_processes = 1
     device = torch.device("cpu")
+    is_local_main_process = False  # no announcement on stderr
 
 
 class TwoRanks(OneRank):
@@ -27,21 +28,22 @@ class TwoRanks(OneRank):
 @pytest.fixture
 def stop():
     saved = {name: signal.getsignal(getattr(signal, name)) for name in SIGNALS}
-    yield StopRequest(announce=False).install()
+    yield StopSignal(OneRank())
     for name, handler in saved.items():
         signal.signal(getattr(signal, name), handler)
 
 
 @pytest.mark.parametrize("name", SIGNALS)
 def test_a_signal_sets_the_flag_and_repeats_change_nothing(stop, name):
-    assert not stop.agreed(OneRank())
+    assert not stop.agreed()
     os.kill(os.getpid(), getattr(signal, name))
     os.kill(os.getpid(), getattr(signal, name))  # a launcher forwarding the same signal: still caught
-    assert stop.received == name and stop.agreed(OneRank()) and stop.describe() == name
+    assert stop.received == name and stop.agreed() and stop.describe() == name
 
 
 def test_every_rank_stops_when_another_was_signalled(stop):
-    assert stop.agreed(TwoRanks()) and stop.describe() == "a stop signal to another rank"
+    stop.accelerator = TwoRanks()
+    assert stop.agreed() and stop.describe() == "a stop signal to another rank"
 
 
 def test_the_stop_line_names_the_checkpoint_and_what_to_do():

@@ -1,18 +1,26 @@
-"""The HF ``Trainer``, metered exactly like the accelerate recipes.
+"""The HF Trainer recipe's loop: the Trainer's own, metered, checked and ended like the accelerate recipes'.
 
-``MeteredTrainer`` feeds each micro-batch to a :class:`StepTally` (real tokens,
-padded slots, model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimizer step the totals over
-all ranks become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and to the trackers of
-``--report_to``) with the same names as the accelerate recipes: step, epoch, loss, lr, tokens,
-padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
+    args = training_arguments(checked, trainer_kwargs, **fixed)  # TrainingArguments; the process group starts
+    ...  data and model: the recipe's own  ...
+    check_enough_data(args, len(train_set))
+    trainer = metered_trainer(checked, recipe_args, args, model=..., train_dataset=..., data_collator=...)
+    trainer.train(resume_from_checkpoint=...)  # checkpoints by --save_steps; a stop signal saves one and ends it
+    if trainer.stopped_by: return              # the same command resumes
+    records.finish(trainer.accelerator, checked, recipe_args, trainer.model_wrapped, trainer, ...)
+
+:class:`MeteredTrainer` feeds each micro-batch to a :class:`StepTally` (real tokens, padded slots,
+model FLOPs by :mod:`finetune_kit.metering.flops`); at each optimizer step the totals over all ranks
+become a :class:`StepRate`. Logged steps go to ``metrics.jsonl`` (and to the trackers of
+``--report_to``) with the same names as the accelerate recipes: step, epoch, loss, lr, grad_norm,
+tokens, padding_fraction, tokens_per_s, tokens_per_s_per_device, model_tflop_per_s_per_device,
 mfu_percent (GPUs with a known peak), step_time_s and the ``metering.peak_memory.peaks()`` keys. The loss
-is the Trainer's: token-weighted over the whole optimizer step, all ranks. Every step also goes
-to the rank's Prometheus endpoint when the run has one (:mod:`finetune_kit.metering.prometheus`).
+is the Trainer's: token-weighted over the whole optimizer step, all ranks (``num_items_in_batch``,
+``average_tokens_across_devices``). Every step also goes to the rank's Prometheus endpoint when the run
+has one (:mod:`finetune_kit.metering.prometheus`).
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -26,23 +34,35 @@ from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 from finetune_kit.models.activation_offload import offload_activations
 from finetune_kit.training import checkpoints
 from finetune_kit.training.adam_resume import replay_bias_correction
-from finetune_kit.training.preemption import stop_line
+from finetune_kit.training.stop import StopSignal, stop_line
 
 
 class MeteredTrainer(Trainer):
     """``Trainer(...)`` plus ``flop_counter``, ``metrics_dir`` (where metrics.jsonl goes) and the
-    rank's Prometheus ``endpoint`` (or None). ``self.meter`` holds every step's rate, for the run
-    record's medians."""
+    rank's Prometheus ``endpoint`` (or None). Like a step meter (:func:`records.finish` reads it):
+    ``rates`` holds every step's rate, for the run record's medians; ``seen_ids`` the rows this rank
+    trained on (its collator's, a ``data.RowRecorder``). ``stopped_by``: the stop signal that ended
+    ``train()`` with a checkpoint, or None."""
 
     def __init__(self, *args, flop_counter: FlopCounter, metrics_dir: str | Path, endpoint=None,
                  offload_activations: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.offload_activations = offload_activations
+        self.flop_counter, self.endpoint, self.stopped_by = flop_counter, endpoint, None
         self.tally = StepTally(flop_counter)
-        self.meter = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
+        self.rates = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
         metering = MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero()), endpoint)
         # First, so the figures it adds to a logged step reach the --report_to trackers' callbacks.
         self.callback_handler.callbacks.insert(0, metering)
+
+    @property
+    def seen_ids(self) -> list[int]:
+        return list(getattr(self.data_collator, "seen", []))
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.tally.add(inputs)
@@ -67,11 +87,11 @@ class MeteringCallback(TrainerCallback):
         self.rate = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.meter.reset_clock()
+        self.trainer.rates.reset_clock()
 
     def on_step_end(self, args, state, control, **kwargs):
         own_tokens = self.trainer.tally.tokens
-        self.rate = self.trainer.meter.step(**self.trainer.tally.reduce(self.trainer.accelerator))
+        self.rate = self.trainer.rates.step(**self.trainer.tally.reduce(self.trainer.accelerator))
         if self.endpoint is not None:
             self.endpoint.update({keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch,
                                   **self.rate.as_metrics(), **keys.loss_scaling(getattr(self.trainer, "model_wrapped",
@@ -79,10 +99,10 @@ class MeteringCallback(TrainerCallback):
             self.endpoint.rank_tokens(own_tokens)
 
     def on_save(self, args, state, control, **kwargs):
-        self.trainer.meter.reset_clock()  # a checkpoint write is not training time
+        self.trainer.rates.reset_clock()  # a checkpoint write is not training time
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.trainer.meter.reset_clock()
+        self.trainer.rates.reset_clock()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs or self.rate is None:  # e.g. the end-of-training summary
@@ -125,26 +145,28 @@ class ResumeCallback(TrainerCallback):
 
 
 class StopCallback(TrainerCallback):
-    """Preemption for the Trainer (:mod:`finetune_kit.training.preemption`): at each step's end the
-    ranks agree on the stop flag; when set, the Trainer saves a checkpoint and stops, and every
-    rank exits 0 instead of going on to save the final model."""
+    """Preemption for the Trainer (:mod:`finetune_kit.training.stop`): at each step's end the ranks
+    agree on the stop flag; when set, the Trainer saves a checkpoint and stops; at the end of
+    ``train()`` the line that says how to continue, and every rank leaves the process group. The
+    recipe sees ``trainer.stopped_by`` and ends (exit status 0) instead of saving the final model."""
 
-    def __init__(self, trainer: Trainer, stop):
-        self.trainer, self.stop, self.stopped = trainer, stop, False
+    def __init__(self, trainer: MeteredTrainer):
+        self.trainer, self.stop = trainer, StopSignal(trainer.accelerator)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step < state.max_steps and self.stop.agreed(self.trainer.accelerator):
-            control.should_save = control.should_training_stop = self.stopped = True
+        if state.global_step < state.max_steps and self.stop.agreed():
+            control.should_save = control.should_training_stop = True
+            self.trainer.stopped_by = self.stop.describe()
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not self.stopped:
+        if not self.trainer.stopped_by:
             return
         if state.is_world_process_zero:
-            print(stop_line(self.stop.describe(), state.global_step, state.max_steps,
+            print(stop_line(self.trainer.stopped_by, state.global_step, state.max_steps,
                             Path(args.output_dir) / f"checkpoint-{state.global_step}"), flush=True)
+        self.trainer.close()
         self.trainer.accelerator.wait_for_everyone()
         self.trainer.accelerator.end_training()
-        sys.exit(0)
 
 
 class RoomToSaveCallback(TrainerCallback):
@@ -169,3 +191,61 @@ class RoomToSaveCallback(TrainerCallback):
             kept = f"the newest checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
             raise ConfigError(f"not saving the step-{state.global_step} checkpoint: {problem}; {kept}. Relaunch "
                               "the same command once there is room: it resumes from the newest checkpoint.")
+
+
+# ---- the Trainer of a recipe ----
+
+def training_arguments(checked, trainer_kwargs: dict, **fixed):
+    """``TrainingArguments`` from the parsed flags (``trainer_kwargs``, bf16/fp16 filled from the JSON by the
+    checks) and ``fixed`` (what the recipe's code relies on). ``ddp_timeout`` left as None becomes
+    FINETUNE_COLLECTIVE_TIMEOUT_S (600 s by default). On a CPU-only machine the DeepSpeed state is set
+    up first (``launch.accelerator.trainer_cpu_overrides``). Raises now what transformers noted and would
+    raise only inside ``trainer.train()``."""
+    from transformers import TrainingArguments
+
+    from finetune_kit.launch import config_checks
+    from finetune_kit.launch.accelerator import trainer_cpu_overrides
+    from finetune_kit.launch.env import collective_timeout_s
+
+    kwargs = {**trainer_kwargs, **fixed}
+    if kwargs.get("ddp_timeout") is None:
+        kwargs["ddp_timeout"] = collective_timeout_s()
+    args = TrainingArguments(**{**kwargs, **trainer_cpu_overrides()})
+    config_checks.check_trainer_mismatches(args, source=str(checked.ds_path))
+    return args
+
+
+def check_enough_data(args, train_examples: int) -> None:
+    """At least one optimizer step, before the model loads."""
+    if train_examples < args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size:
+        raise ConfigError(f"{train_examples} training sequences make no full optimizer step of "
+                          f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x "
+                          f"{args.world_size} processes; lower --per_device_train_batch_size or "
+                          "--gradient_accumulation_steps, or add data.")
+
+
+def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrainer:
+    """A :class:`MeteredTrainer` on ``args`` (metered like the accelerate loops), which checkpoints before a
+    stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. It holds
+    the output folder until the run ends (:mod:`finetune_kit.output_lock`)."""
+    from finetune_kit import output_lock
+    from finetune_kit.metering import prometheus
+
+    if args.process_index == 0:
+        output_lock.acquire(checked.output)
+    trainer = MeteredTrainer(args=args, flop_counter=FlopCounter(checked.shape, num_labels=checked.num_labels),
+                             metrics_dir=checked.output, endpoint=prometheus.open_endpoint(checked.recipe),
+                             offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)
+    trainer.add_callback(StopCallback(trainer))
+    trainer.add_callback(ResumeCallback(trainer))
+    trainer.add_callback(RoomToSaveCallback(trainer, checked.checkpoint_estimate))  # sees the final should_save
+    return trainer
+
+
+def batch_shape(args) -> dict:
+    """The Trainer's batch and per-step levers, as :func:`records.finish` records them."""
+    from finetune_kit.training.preflight import recompute_every
+
+    return {"micro_batch_size": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
+            "gradient_checkpointing": bool(args.activation_checkpointing),
+            "recompute_every": recompute_every(args.activation_checkpointing_kwargs), "compiled": args.torch_compile}

@@ -1,11 +1,11 @@
 """Stopping cleanly when the job is told to: SIGTERM (a preempted node, Kubernetes, ``scancel``),
 SIGINT (Ctrl-C) and SIGUSR1 (Slurm's ``--signal=USR1@<seconds>`` warning before a time limit).
 
-A signal only sets a flag. At every optimizer-step boundary the ranks add up their flags
-(one all-reduce of a single number), so all of them stop after the same step -- whichever
-rank was signalled; the run then writes a checkpoint and each rank exits 0, the first one
-with a line naming the checkpoint. Relaunching the same command resumes from it
-(``--resume auto``).
+A signal only sets a flag. At every optimizer-step boundary the loop asks :meth:`StopSignal.agreed`:
+the ranks add up their flags (one all-reduce of a single number), so all of them stop after the same
+step -- whichever rank was signalled; the loop then writes a checkpoint, breaks, and each rank ends
+with exit status 0, the first one with a line naming the checkpoint (:func:`stop_line`). Relaunching
+the same command resumes from it (``--resume auto``).
 
 Repeated signals change nothing: launchers forward the signal they get to ranks that already
 had it (DeepSpeed's does so rank by rank, 30 s apart at most), so a repeat cannot mean "stop
@@ -25,17 +25,15 @@ import sys
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
-class StopRequest:
-    """The flag the signal handlers set, and the ranks' agreement on it."""
+class StopSignal:
+    """Catches the stop signals (from construction on) and tells the loop when the ranks agree to stop."""
 
-    def __init__(self, announce: bool = True):
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
         self.received: str | None = None
-        self.announce = announce  # say so on stderr (one rank per node is enough)
-
-    def install(self) -> StopRequest:
+        self.announce = accelerator.is_local_main_process  # say so on stderr (one rank per node is enough)
         for name in SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
-        return self
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -45,13 +43,14 @@ class StopRequest:
                 print(f"{name} received: stopping after this optimizer step, with a checkpoint "
                       "(SIGKILL stops at once)", file=sys.stderr, flush=True)
 
-    def agreed(self, accelerator) -> bool:
-        """True on every rank when any rank was signalled (a collective: all ranks call it)."""
+    def agreed(self) -> bool:
+        """True on every rank when any rank was signalled (a collective: every rank calls it, once a step)."""
         import torch
 
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=accelerator.device)
-        if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag, "sum")
+        acc = self.accelerator
+        flag = torch.tensor([0.0 if self.received is None else 1.0], device=acc.device)
+        if acc.num_processes > 1:
+            flag = acc.reduce(flag, "sum")
         return flag.item() > 0
 
     def describe(self) -> str:

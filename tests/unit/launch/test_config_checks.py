@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import checks, env
+from finetune_kit.launch import config_checks as checks
+from finetune_kit.launch import env
 from tests.harness import REPO
 
 RECIPE_CONFIGS = sorted((REPO / "recipes").glob("*/configs/*.json"))

@@ -1,0 +1,61 @@
+"""A run on its engine, DeepSpeed or PyTorch FSDP2 (the launch config picks it): the process group, the
+optimizer, the learning-rate schedule and the gradient clipping norm. The recipe's loop is the same for both."""
+
+from __future__ import annotations
+
+import math
+
+from finetune_kit.launch import config_checks, fsdp
+from finetune_kit.metering import trackers
+
+
+def start(checked, args):
+    """The Accelerator the launch config describes (gloo on CPU-only machines), seeded, with the trackers
+    of ``--report-to`` open; the sampler is seedable, so a resumed run reads the data in the same order.
+    ``checked``: the launch's :class:`~finetune_kit.training.preflight.CheckedLaunch`."""
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+
+    from finetune_kit.launch.accelerator import make_accelerator
+
+    acc = make_accelerator(
+        # steps() reads a step's micro-batches before the first backward: the loader's end is then reached
+        # before the step's last micro-batch, so the boundary is counted, not taken from the loader
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **trackers.accelerator_kwargs(args.report_to, checked.output))
+    set_seed(args.seed)
+    trackers.start(acc, checked.recipe, checked.script_args)
+    if checked.reshaping() and checked.fsdp is None:  # another number of ranks: DeepSpeed's universal format
+        acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    engine = (f"ZeRO stage {config_checks.zero_stage(checked.ds_config)}, config {checked.ds_path}"
+              if checked.fsdp is None else "FSDP2 (full sharding; fp32 weights, bf16 compute, fp32 gradient reduction)")
+    acc.print(f"world size {acc.num_processes}, device {acc.device}, {engine}")
+    return acc
+
+
+def optimizer_and_schedule(params, checked, args, total_steps: int):
+    """The optimizer the DeepSpeed JSON names ("auto" values filled from --lr and --weight-decay) and a
+    cosine schedule with linear warm-up over ``total_steps`` optimizer steps. Under FSDP2: torch's AdamW
+    with the shipped ZeRO configs' betas and eps (``fsdp.ADAMW``)."""
+    import torch
+    from accelerate.utils import DummyOptim, DummyScheduler
+    from transformers import get_cosine_schedule_with_warmup
+
+    warmup = math.ceil(args.warmup_ratio * total_steps)
+
+    def schedule(opt):
+        return get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+    if checked.fsdp is not None:
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **fsdp.ADAMW)
+        return optimizer, schedule(optimizer)
+    optimizer = DummyOptim(params, lr=args.lr, weight_decay=args.weight_decay)
+    return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)
+
+
+def max_grad_norm(checked) -> float:
+    """The gradient clipping norm: the DeepSpeed JSON's ``gradient_clipping`` (DeepSpeed clips in its own
+    step; ``accelerator.clip_grad_norm_`` then returns the norm), or ``fsdp.MAX_GRAD_NORM``."""
+    if checked.fsdp is not None:
+        return fsdp.MAX_GRAD_NORM
+    return float(checked.ds_config.get("gradient_clipping", 0.0))
