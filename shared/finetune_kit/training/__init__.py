@@ -1,13 +1,14 @@
 """Training: a run from its checks to its records, in parts a recipe holds.
 
-:mod:`.arguments` (the flags, one dataclass family), :mod:`.preflight` (every check before anything heavy),
-:mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the schedule, the position, each
-step's micro-batches and labelled tokens), :mod:`.checkpoints` (the checkpointer: layout, atomic save,
-resume), :mod:`.stop` (stop signals), :mod:`.records` (the step meter, validations, the run's records),
-:mod:`.final_model` (model, Trainer model or adapter), :mod:`.evaluation`, :mod:`.hf_trainer` (the HF
-Trainer recipe's loop); and what they stand on: :mod:`.resharding` (resume on another number of ranks),
-:mod:`.adam_resume` and :mod:`.nvme_resume` (what DeepSpeed's load leaves out), :mod:`.partitions`
-(ZeRO shard reports). The names a recipe uses are importable from here.
+:mod:`.arguments` (the flags, one dataclass family), :mod:`.preflight` (every check before anything
+heavy), :mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the schedule, the position,
+each step's micro-batches and labelled tokens), :mod:`.checkpointer` (resume, when to save) over
+:mod:`.checkpoints` (layout, atomic save, which to resume), :mod:`.stop` (stop signals), :mod:`.records`
+(the step meter, validations, the run's records), :mod:`.final_model` (model, Trainer model or adapter),
+:mod:`.evaluation`, :mod:`.hf_trainer` (the HF Trainer recipe's loop); and what they stand on:
+:mod:`.resharding` (resume on another number of ranks), :mod:`.adam_resume` and :mod:`.nvme_resume` (what
+DeepSpeed's load leaves out), :mod:`.partitions` (ZeRO shard reports). The names a recipe uses are
+importable from here.
 """
 
 from importlib import import_module
@@ -18,7 +19,7 @@ _LAZY = {
     **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.preflight"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
     **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
-    "Checkpointer": "finetune_kit.training.checkpoints",
+    "Checkpointer": "finetune_kit.training.checkpointer",
     "StopSignal": "finetune_kit.training.stop",
     **dict.fromkeys(("DataSplit", "step_meter", "validation", "finish", "stopped", "batch_shape"),
                     "finetune_kit.training.records"),
