@@ -25,7 +25,7 @@ def recipe_setups(recipe_dir: Path, key: str = "setups") -> tuple[ModelShape, li
     path = recipe_dir / "memory_plan.json"
     if not path.is_file():
         raise UserInputError(f"{path} does not exist: a recipe lists its memory setups there (see "
-                             "python -m finetune_kit.planning --help).")
+                             "python -m finetune_tools.planning --help).")
     spec = json.loads(path.read_text())
     adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
     model = spec["model"]
@@ -74,7 +74,7 @@ def recipe_table(recipe_dir: Path) -> str:
     else:
         states = ("model states as DeepSpeed's own estimators count them (full fine-tuning; FSDP2 rows: 16 bytes "
                   "per parameter sharded, plus the gathered layers)")
-    note = (f"Predicted by `python -m finetune_kit.planning --recipe recipes/{recipe_dir.name}` "
+    note = (f"Predicted by `make plan RECIPE={recipe_dir.name}` "
             f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
             f"activations with the loss's logits{logits_note(plans[0][1].setup)}, and CUDA context + allocator "
             "overhead; host RAM per node "
