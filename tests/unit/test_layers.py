@@ -25,7 +25,7 @@ LAYERS = [
     ("training",),
 ]
 TOOL_LAYERS = [
-    ("paths", "tables", "tiny_models", "samples"),
+    ("paths", "tables", "tiny_models", "samples", "deepspeed_configs"),
     ("planning",),
     ("repo",),  # the README blocks hold the planner's tables
     ("gpu_check",),

@@ -10,6 +10,8 @@ from pathlib import Path
 from finetune_kit.errors import ConfigError
 
 SECTIONS = ("offload_optimizer", "offload_param")
+# ZeRO-Infinity's parameter swap buffers as the shipped NVMe config sets them: buffer_count, buffer_size (elements)
+PARAM_BUFFERS = (5, 6e8)
 # DeepSpeed 0.19.8's defaults (runtime/zero/offload_config.py, runtime/swap_tensor/utils.py): the
 # parameter buffers when the JSON leaves them out, and the smallest partition it swaps to NVMe (bytes;
 # or aio.block_size when larger): smaller ones stay in host memory and need no buffer.

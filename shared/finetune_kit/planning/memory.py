@@ -142,15 +142,15 @@ def fsdp2_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None =
 
 
 # DeepSpeed's swap buffers for ZeRO-Infinity: the optimizer swapper's pinned buffers (its default
-# buffer_count, each the size of the largest optimizer sub-group), and the parameter buffers that
-# launch.deepspeed_config writes (buffer_count x buffer_size bf16 elements).
+# buffer_count, each the size of the largest optimizer sub-group), and the parameter buffers the
+# shipped config sets (launch.nvme.PARAM_BUFFERS: buffer_count x buffer_size bf16 elements).
 OPTIMIZER_SWAP_BUFFERS, SUB_GROUP_SIZE = 4, 1e9
 
 
 def _param_swap_buffers() -> tuple[int, float]:
-    from finetune_kit.launch.deepspeed_config import DeepSpeedSetup
+    from finetune_kit.launch.nvme import PARAM_BUFFERS
 
-    return DeepSpeedSetup.model_fields["nvme_param_buffers"].default
+    return PARAM_BUFFERS
 
 
 def nvme_parts(total_params: int, s: Setup) -> tuple[dict[str, int], dict[str, int]]:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import deepspeed_config as dsc
+from finetune_tools import deepspeed_configs as dsc
 from tests.harness import REPO
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import deepspeed_config as dsc
 from finetune_kit.launch import nvme
+from finetune_tools import deepspeed_configs as dsc
 
 
 def nvme_config(path) -> dict:

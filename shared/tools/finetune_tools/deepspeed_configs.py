@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from finetune_kit.errors import ConfigError
-from finetune_kit.launch import deepspeed_keys
+from finetune_kit.launch import deepspeed_keys, nvme
 
 Auto = Literal["auto"]
 Device = Literal["none", "cpu", "nvme"]
@@ -58,7 +58,7 @@ class DeepSpeedSetup(BaseModel):
     aio: AsyncIO = AsyncIO()  # used only with "nvme"
     # parameters swapped in from NVMe pass through buffer_count pinned buffers of this many elements;
     # one must hold the largest parameter (Llama 3 8B's embedding: 128,256 x 4,096 = 5.25e8)
-    nvme_param_buffers: tuple[int, float] = (5, 6e8)
+    nvme_param_buffers: tuple[int, float] = nvme.PARAM_BUFFERS
     betas: tuple[float, float] | Auto = "auto"
     eps: float | Auto = "auto"
     # stage 1-2: the gradient buckets' size in elements (bigger: fewer, larger collectives; more memory)
