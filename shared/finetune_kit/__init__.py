@@ -4,10 +4,10 @@
     models/     shapes from a config (no weights), loading with a real pad token, QLoRA, the loss and
                 attention kernels, activation offload, compiled layers
     launch/     what the launcher set up: its environment, the launched configs' checks, the Accelerator,
-                multi-node preflight and handshake
+                multi-node checks and handshake
     planning/   will it fit? the memory formulas every launch checks before it loads anything
     metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl, the run record
-    training/   a run from preflight to records: the checks, the loop around the recipe's body (or the
+    training/   a run from its input checks to its records: the checks, the loop around the recipe's body (or the
                 metered HF Trainer's), checkpoints and resharding, the final model, the shared flags
     check.py    ``python -m finetune_kit.check``: a launch's inputs checked once, before any rank starts
 

@@ -2,7 +2,7 @@
 
 Two launches into one folder (a double submit; a requeued job that lands beside one not quite dead:
 torchrun starts every worker in a session of its own, so killing a launcher's process group leaves its
-ranks training) would otherwise both run: the second's preflight deletes the first's checkpoint being
+ranks training) would otherwise both run: the second's input checks delete the first's checkpoint being
 written, both write the same steps, and one of them fails on a file the other renamed.
 
 A launch's checks refuse a folder that a live run holds (:func:`check_free`); the main rank of a run

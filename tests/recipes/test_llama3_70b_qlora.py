@@ -374,7 +374,7 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     (("num_machines: 2", "num_machines: 3"), r"num_machines differs between the nodes: .* has 2, .* has 3"),
     (("main_process_port: 29500", "main_process_port: 29501"), r"main_process_port differs"),
 ])
-def test_preflight_rejects_a_worker_that_disagrees_with_the_main_node(edit, pattern, recipe_copy, tmp_path):
+def test_the_input_checks_reject_a_worker_that_disagrees_with_the_main_node(edit, pattern, recipe_copy, tmp_path):
     """What `make train-llama3-70b-qlora` runs before launching: fails in well under a second."""
     import re
 

@@ -753,7 +753,7 @@ def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llam
     from finetune_kit.errors import UserInputError
     from tests.harness import ensure_debian_packages
 
-    ensure_debian_packages("libaio-dev", present="/usr/include/libaio.h")  # the NVMe preflight needs libaio
+    ensure_debian_packages("libaio-dev", present="/usr/include/libaio.h")  # the NVMe input checks need libaio
     config = json.loads((RECIPE / "configs/zero3-nvme.json").read_text())
     for section in ("offload_optimizer", "offload_param"):
         config["zero_optimization"][section]["nvme_path"] = str(tmp_path)

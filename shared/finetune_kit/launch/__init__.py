@@ -1,3 +1,3 @@
 """What the launcher set up: its environment (:mod:`.env`), checks of the launched DeepSpeed config
 against the flags (:mod:`.config_checks`), the Accelerator (:mod:`.accelerator`, gloo on CPU), and the
-multi-node preflight and handshake (:mod:`.multinode`)."""
+multi-node checks and handshake (:mod:`.multinode`)."""

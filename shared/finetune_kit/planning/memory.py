@@ -562,7 +562,7 @@ def suggest(model, setup: Setup, flags: dict | None = None) -> Suggestion | None
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSpeed JSON -> Setup, and the preflight a train script calls
+# DeepSpeed JSON -> Setup, and the check a train script runs before it loads anything
 # ---------------------------------------------------------------------------------------------
 def _device(section) -> bool:
     return isinstance(section, dict) and str(section.get("device", "none")).lower() not in ("none", "")

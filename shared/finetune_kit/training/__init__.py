@@ -1,6 +1,6 @@
 """Training: a run from its checks to its records, in parts a recipe holds.
 
-:mod:`.arguments` (the flags, one dataclass family), :mod:`.preflight` (every check before anything
+:mod:`.arguments` (the flags, one dataclass family), :mod:`.input_checks` (every check before anything
 heavy), :mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the schedule, the position,
 each step's micro-batches and labelled tokens), :mod:`.checkpointer` (resume, when to save) over
 :mod:`.checkpoints` (layout, atomic save, which to resume), :mod:`.stop` (stop signals), :mod:`.records`
@@ -16,7 +16,7 @@ from importlib import import_module
 _LAZY = {
     **dict.fromkeys(("ModelArguments", "InstructionData", "Kernels", "LoopArguments", "flag", "parse"),
                     "finetune_kit.training.arguments"),
-    **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.preflight"),
+    **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.input_checks"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
     **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
     "Checkpointer": "finetune_kit.training.checkpointer",

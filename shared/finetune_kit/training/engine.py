@@ -12,7 +12,7 @@ from finetune_kit.metering import trackers
 def start(checked, args):
     """The Accelerator the launch config describes (gloo on CPU-only machines), seeded, with the trackers
     of ``--report-to`` open; the sampler is seedable, so a resumed run reads the data in the same order.
-    ``checked``: the launch's :class:`~finetune_kit.training.preflight.CheckedLaunch`."""
+    ``checked``: the launch's :class:`~finetune_kit.training.input_checks.CheckedLaunch`."""
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
     from finetune_kit.launch.accelerator import make_accelerator

@@ -244,7 +244,7 @@ def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrai
 
 def batch_shape(args) -> dict:
     """The Trainer's batch and per-step levers, as :func:`records.finish` records them."""
-    from finetune_kit.training.preflight import recompute_every
+    from finetune_kit.training.input_checks import recompute_every
 
     return {"micro_batch_size": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
             "gradient_checkpointing": bool(args.activation_checkpointing),

@@ -4,7 +4,7 @@ ZeRO-3 checkpoints of the recipe layout resume on any number of ranks, with the 
 batch: DeepSpeed's universal checkpoint format (converted once, beside the checkpoint) under
 DeepSpeed, ``torch.distributed.checkpoint``'s own resharding under FSDP2; the data position is
 recounted in the new launch's micro-batches. What cannot reshape (ZeRO-2, NVMe swap files,
-another global batch) is refused at preflight with the launch that would work.
+another global batch) is refused by the input checks with the launch that would work.
 """
 
 from __future__ import annotations

@@ -211,19 +211,19 @@ def test_bitsandbytes_without_its_cuda_library_is_named(monkeypatch):
         cuda_ops._bitsandbytes()
 
 
-def test_preflight_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
+def test_host_check_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
     """No launcher on PATH, no toolchain, a too-old transformers and a full disk: one list, all named."""
     from torch.utils import cpp_extension
     from transformers import PreTrainedModel
 
-    from finetune_tools.gpu_check import host_check as preflight
+    from finetune_tools.gpu_check import host_check
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no accelerate, deepspeed, c++ or g++
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    monkeypatch.setattr(preflight.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    monkeypatch.setattr(host_check.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable", raising=False)
-    found = preflight.problems(CASES, tmp_path / "out", gpu=True, model_bytes=2**60, gpu_used_GiB=5.0,
+    found = host_check.problems(CASES, tmp_path / "out", gpu=True, model_bytes=2**60, gpu_used_GiB=5.0,
                                environ={})
     text = "\n".join(found)
     for expected in ("'accelerate' is not on PATH", "'deepspeed' is not on PATH",
@@ -233,27 +233,27 @@ def test_preflight_lists_every_missing_piece_at_once(monkeypatch, tmp_path):
         assert expected in text, (expected, text)
 
 
-def test_preflight_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
+def test_host_check_is_quiet_on_a_ready_cpu_host(monkeypatch, tmp_path):
     import os
     import sys
 
-    from finetune_tools.gpu_check import host_check as preflight
+    from finetune_tools.gpu_check import host_check
 
     # the stack's launchers live beside its Python
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     cpu_cases = [c for c in CASES if not c.gpu_only]
-    assert preflight.problems(cpu_cases, tmp_path, gpu=False, model_bytes=2**20) == []
+    assert host_check.problems(cpu_cases, tmp_path, gpu=False, model_bytes=2**20) == []
 
 
 def test_a_librarys_own_requirements_are_checked_against_what_is_installed(monkeypatch):
     """An image's older pyarrow under the pinned datasets: named with both versions."""
-    from finetune_tools.gpu_check import host_check as preflight
+    from finetune_tools.gpu_check import host_check
 
-    real = preflight.metadata.requires
-    monkeypatch.setattr(preflight.metadata, "requires",
+    real = host_check.metadata.requires
+    monkeypatch.setattr(host_check.metadata, "requires",
                         lambda name: ["pyarrow>=999.0", 'tomli; python_version < "3.0"'] if name == "datasets"
                         else real(name))
-    found = preflight.requirement_problems(["datasets"])
+    found = host_check.requirement_problems(["datasets"])
     assert len(found) == 1 and found[0].startswith("datasets ")
     assert "needs pyarrow>=999.0; installed: pyarrow " in found[0]
 

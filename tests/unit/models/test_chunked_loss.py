@@ -123,7 +123,7 @@ def test_auto_picks_liger_only_with_cuda_and_the_package(monkeypatch):
     assert chunked_loss.loss_kernel("chunked") == "chunked"
     monkeypatch.setattr(chunked_loss, "liger_available", lambda: False)
     assert chunked_loss.loss_kernel("auto") == "chunked"
-    assert chunked_loss.loss_kernel("liger") == "liger"  # asked for: the preflight refuses it where it cannot run
+    assert chunked_loss.loss_kernel("liger") == "liger"  # asked for: the input checks refuse it where it cannot run
     monkeypatch.setattr(chunked_loss, "liger_available", lambda: True)
     assert chunked_loss.loss_kernel("auto") == "liger"
 

@@ -261,11 +261,11 @@ def test_host_memory_is_checked_when_given():
     assert p.fits is False and "host RAM" in p.verdict()
 
 
-# ---- preflight ----
+# ---- check_fits ----
 DS_ZERO3 = {"zero_optimization": {"stage": 3}}
 
 
-def test_preflight_raises_with_numbers_and_fix():
+def test_check_fits_raises_with_numbers_and_fix():
     with pytest.raises(ConfigError) as err:
         memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                          gradient_checkpointing=True, gpu_memory_GiB=80)
@@ -274,7 +274,7 @@ def test_preflight_raises_with_numbers_and_fix():
     assert '"offload_optimizer": {"device": "cpu"' in text and "--skip-memory-check" in text
 
 
-def test_preflight_skip_logs_instead_of_raising(caplog):
+def test_check_fits_skip_logs_instead_of_raising(caplog):
     with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
         p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=True, gpu_memory_GiB=80, skip=True)
@@ -282,7 +282,7 @@ def test_preflight_skip_logs_instead_of_raising(caplog):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
+def test_check_fits_without_cuda_logs_and_passes(caplog, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
         p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
@@ -292,7 +292,7 @@ def test_preflight_without_cuda_logs_and_passes(caplog, monkeypatch):
     assert record["gpu_total_GiB"] > 0 and record["setup"]["stage"] == 3
 
 
-def test_preflight_reads_the_zero2_trainer_and_qlora_cases():
+def test_check_fits_reads_the_zero2_trainer_and_qlora_cases():
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
     p = memory.check_fits("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
                          gradient_checkpointing=True, gpu_memory_GiB=80,

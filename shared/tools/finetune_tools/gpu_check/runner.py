@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         for problem in found:
             print(f"  - {problem}", file=sys.stderr)
         return 2
-    print(f"preflight: {len(runnable)} case(s) ready", flush=True)
+    print(f"host check: {len(runnable)} case(s) ready", flush=True)
     if args.ablation:
         expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, variants))
         print(f"ablation: {len(variants)} variant(s), expected about {expected / 60:.0f} min on one H100 "
