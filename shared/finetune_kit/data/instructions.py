@@ -192,8 +192,8 @@ def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_templ
     digest = token_cache.key(data, tokenizer, template, max_seq_len) if folder else None
     hit = token_cache.load(folder, digest) if folder else None
     if hit is not None:
-        examples, counts = hit
-        return examples, DataCounts(**counts)
+        examples, counts = hit  # the key is the rows' content: the same file may have moved since
+        return examples, DataCounts(**{**counts, "source": data.source})
     kept, counts = _tokenize(data, tokenizer, template, max_seq_len, workers or default_workers(len(data)))
     if folder:
         token_cache.save(folder, digest, kept, counts)

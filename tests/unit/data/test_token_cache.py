@@ -42,6 +42,15 @@ def test_a_second_launch_reads_what_the_first_tokenised(sample, tokenizer, tmp_p
     assert rows_of(again) == rows_of(first) and counts_again == counts
 
 
+def test_the_same_rows_at_another_path_hit_the_cache_and_name_their_own_path(sample, tokenizer, tmp_path):
+    cache, moved = tmp_path / "cache", tmp_path / "moved.jsonl"
+    first, counts = tokenised(sample, tokenizer, cache)
+    shutil.copy(sample, moved)
+    again, counts_again = tokenised(moved, tokenizer, cache)
+    assert len(list(cache.iterdir())) == 1 and rows_of(again) == rows_of(first)
+    assert counts_again.source == str(moved) and counts.source == str(sample)
+
+
 @pytest.mark.parametrize("change", ["data", "max_seq_len", "template", "tokenizer"])
 def test_whatever_decides_the_tokens_misses_the_cache(change, sample, tokenizer, tmp_path):
     cache = tmp_path / "cache"
