@@ -11,6 +11,11 @@ Launch from this folder:
     # one GPU, optimizer states in CPU memory:
     accelerate launch --config_file configs/zero3-offload.yaml train.py --data my_data.jsonl
 
+    # long context (README: "Long context"): 8 GPUs share each 128K-token sequence (Ulysses, ALST)
+    accelerate launch --config_file configs/zero3-ulysses.yaml train.py --data long.jsonl --pack \
+        --model meta-llama/Llama-3.1-8B --max-seq-len 131072 --sequence-parallel 8 --tiled-mlp \
+        --offload-activations --micro-batch-size 1
+
     # the same script under PyTorch FSDP2 instead of DeepSpeed (README: "ZeRO-3 or FSDP2?"):
     accelerate launch --config_file configs/fsdp2.yaml train.py --data my_data.jsonl
 
@@ -37,7 +42,8 @@ LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.InstructionData, training.Kernels, training.LoopArguments):
+class Arguments(training.ModelArguments, training.InstructionData, training.Kernels, training.LongContext,
+                training.LoopArguments):
     """Every flag this recipe takes: the shared families (training/arguments.py), nothing of its own."""
 
 
@@ -64,6 +70,7 @@ def main(argv=None) -> None:
     # ---- 2. Distributed setup: the accelerate YAML (+ DeepSpeed JSON, or FSDP2) drives everything ----
     accelerator = training.start(checked, args)
     stop = training.StopSignal(accelerator)  # SIGTERM, SIGINT, Slurm's SIGUSR1: stop after the step, with a checkpoint
+    sp = training.sequence_groups(accelerator, args.sequence_parallel)  # --sequence-parallel N ranks share a sequence
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
@@ -75,17 +82,21 @@ def main(argv=None) -> None:
         train_set = data.pack(train_set, args.max_seq_len)
     split = training.DataSplit.of(train_set, eval_set, counts)
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
-    train_dl = DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
-                          collate_fn=data.PackedCollator() if args.pack else pad)
+    collate = training.shard_sequences(data.PackedCollator() if args.pack else pad, sp, tokenizer.pad_token_id)
+    train_dl = training.shard_loader(accelerator, DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
+                                                             collate_fn=collate), sp)  # one slice per rank of a group
     eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=pad) if eval_set else None
-    schedule = training.Schedule.plan(len(train_set), args, accelerator.num_processes)  # steps per epoch, in all
+    schedule = training.Schedule.plan(len(train_set), args, sp.data_ranks)  # steps per epoch, in all
 
     # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
-    model = models.load_causal_lm(args.model, models.attention_for(args.attention, packed=args.pack))
+    attention = models.attention_for(args.attention, packed=args.pack)
+    model = models.load_causal_lm(args.model, attention)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
     models.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
+    models.use_tiled_mlp(model, args.tiled_mlp)  # --tiled-mlp: each MLP a slice of the tokens at a time
+    training.use_sequence_parallel(model, sp, attention, 1 if args.pack else args.micro_batch_size)  # all-to-all
     if args.gradient_checkpointing:  # recompute every --recompute-every-th layer in the backward
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=args.recompute_every)

@@ -102,7 +102,9 @@ def token_spans(batch: dict) -> tuple[int, int, list[tuple[int, int]]]:
         real = int(mask.sum())
         return real, mask.numel(), [(real, mask.shape[-1])]
     positions = batch["position_ids"].reshape(-1)
-    starts = (positions == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
+    # a sequence-parallel slice may start inside an example: its first span starts at the slice's start,
+    # and attends (as counted here) over its length in the slice, not the example's
+    starts = sorted({0, *(positions == 0).nonzero().reshape(-1).tolist()}) + [positions.numel()]
     lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     return positions.numel(), positions.numel(), [(n, n) for n in lengths]
 

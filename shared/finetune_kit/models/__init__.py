@@ -2,9 +2,10 @@
 pad token (:mod:`.loading`, whose functions are importable from here), tiny test models
 (:mod:`.tiny`), 4-bit bases with LoRA under ZeRO-3 (:mod:`.qlora`), and the causal-LM loss without the
 full logits (:mod:`.chunked_loss`), activations kept in host memory (:mod:`.activation_offload`), packed rows'
-attention through a variable-length kernel (:mod:`.packed_attention`) and compiled decoder layers
-(:mod:`.compiled_layers`): their ``use_chunked_loss``, ``offload_activations``, ``attention_for`` and
-``compile_layers`` are importable from here."""
+attention through a variable-length kernel (:mod:`.packed_attention`), compiled decoder layers
+(:mod:`.compiled_layers`) and the MLP a slice of the sequence at a time (:mod:`.tiled_mlp`): their
+``use_chunked_loss``, ``offload_activations``, ``attention_for``, ``compile_layers`` and ``use_tiled_mlp`` are
+importable from here."""
 
 from importlib import import_module
 
@@ -13,7 +14,8 @@ _LAZY = {**dict.fromkeys(("load_config", "check_seq_len", "load_tokenizer", "ens
          "use_chunked_loss": "finetune_kit.models.chunked_loss",
          "offload_activations": "finetune_kit.models.activation_offload",
          "attention_for": "finetune_kit.models.packed_attention",
-         "compile_layers": "finetune_kit.models.compiled_layers"}
+         "compile_layers": "finetune_kit.models.compiled_layers",
+         "use_tiled_mlp": "finetune_kit.models.tiled_mlp"}
 __all__ = list(_LAZY)
 
 

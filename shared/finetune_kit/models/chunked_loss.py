@@ -54,10 +54,13 @@ def loss_kernel(choice: str) -> str:
 
 
 def chunked_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, chunks: int = CHUNKS,
-                          num_items_in_batch=None) -> torch.Tensor:
-    """transformers' causal-LM loss of ``head(hidden)`` against ``labels`` (shifted by one inside),
-    computed ``chunks`` pieces at a time. ``hidden``: (batch, seq, h); ``labels``: (batch, seq)."""
-    shifted = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1).to(hidden.device)
+                          num_items_in_batch=None, shifted: bool = False) -> torch.Tensor:
+    """transformers' causal-LM loss of ``head(hidden)`` against ``labels`` (shifted by one inside, unless
+    ``shifted``: a sequence-parallel slice's ``shift_labels``, shifted before slicing), computed ``chunks``
+    pieces at a time. ``hidden``: (batch, seq, h); ``labels``: (batch, seq)."""
+    if not shifted:
+        labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    shifted = labels.reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if getattr(head, "computes_loss", False):  # use_chunked_loss gave a plain Linear head the loss
         total = head(flat, labels=shifted)
@@ -124,13 +127,15 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)  # a sequence-parallel slice's labels, already shifted
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = outputs.last_hidden_state
-    if labels is None:
+    if labels is None and shift_labels is None:
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=outputs.past_key_values)
-    loss = chunked_cross_entropy(self.lm_head, hidden, labels, chunks=self.loss_chunks,
-                                 num_items_in_batch=num_items_in_batch)
+    loss = chunked_cross_entropy(self.lm_head, hidden, labels if shift_labels is None else shift_labels,
+                                 chunks=self.loss_chunks, num_items_in_batch=num_items_in_batch,
+                                 shifted=shift_labels is not None)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values)

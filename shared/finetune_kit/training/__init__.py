@@ -7,14 +7,15 @@ each step's micro-batches and labelled tokens), :mod:`.checkpointer` (resume, wh
 (the step meter, validations, the run's records), :mod:`.final_model` (model, Trainer model or adapter),
 :mod:`.evaluation`, :mod:`.hf_trainer` (the HF Trainer recipe's loop); and what they stand on:
 :mod:`.resharding` (resume on another number of ranks), :mod:`.adam_resume` and :mod:`.nvme_resume` (what
-DeepSpeed's load leaves out), :mod:`.partitions` (ZeRO shard reports). The names a recipe uses are
+DeepSpeed's load leaves out), :mod:`.partitions` (ZeRO shard reports), :mod:`.sequence_parallel` (ranks
+that share each sequence). The names a recipe uses are
 importable from here.
 """
 
 from importlib import import_module
 
 _LAZY = {
-    **dict.fromkeys(("ModelArguments", "InstructionData", "Kernels", "LoopArguments", "flag", "parse"),
+    **dict.fromkeys(("ModelArguments", "InstructionData", "Kernels", "LongContext", "LoopArguments", "flag", "parse"),
                     "finetune_kit.training.arguments"),
     **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.input_checks"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
@@ -25,6 +26,8 @@ _LAZY = {
                     "finetune_kit.training.records"),
     **dict.fromkeys(("save_consolidated", "save_adapter", "save_trainer_model"), "finetune_kit.training.final_model"),
     "evaluate_loss": "finetune_kit.training.evaluation",
+    **dict.fromkeys(("sequence_groups", "shard_sequences", "shard_loader", "use_sequence_parallel"),
+                    "finetune_kit.training.sequence_parallel"),
 }
 __all__ = list(_LAZY)
 

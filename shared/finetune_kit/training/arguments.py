@@ -74,6 +74,17 @@ class Kernels:
 
 
 @dataclass
+class LongContext:
+    """Sequences longer than one GPU's activations hold: DeepSpeed's ALST levers (README: long context)."""
+
+    sequence_parallel: int = flag(1, "ranks that share each sequence (Ulysses: each holds 1/N of the tokens, "
+                                     "attention exchanges heads by all-to-all); a divisor of the GPUs of a node; "
+                                     "1: off (training.sequence_parallel)")
+    tiled_mlp: bool = flag(False, "compute each MLP a slice of the sequence at a time, recomputed in the backward: "
+                                  "the MLP's working set of one slice, for a second MLP forward (models.tiled_mlp)")
+
+
+@dataclass
 class LoopArguments:
     """The accelerate recipes' own training loop: batch, schedule, activation recomputation, checkpoints, logs."""
 

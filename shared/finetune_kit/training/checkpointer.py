@@ -28,7 +28,9 @@ class Checkpointer:
     def __init__(self, accelerator, checked, args):
         self.accelerator, self.checked = accelerator, checked
         self.every, self.keep = args.save_every, args.keep_checkpoints
-        self.global_batch = args.micro_batch_size * args.grad_accum * accelerator.num_processes
+        # sequences per optimizer step: ranks that share a sequence (--sequence-parallel) read the same ones
+        self.global_batch = (args.micro_batch_size * args.grad_accum * accelerator.num_processes
+                             // getattr(args, "sequence_parallel", 1))
         if accelerator.is_main_process:
             output_lock.acquire(checked.output)
 

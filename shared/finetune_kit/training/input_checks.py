@@ -25,7 +25,7 @@ from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import memory
-from finetune_kit.training import checkpoints, resharding
+from finetune_kit.training import checkpoints, resharding, sequence_parallel
 
 # What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
 # are planning.memory.describe_changes' defaults).
@@ -98,6 +98,15 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         ds_path, ds_config = config_checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
         config_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
                                  world=env.world_size(), source=str(ds_path))
+    sequence_parallel.check(getattr(args, "sequence_parallel", 1), world=env.world_size(),
+                            gpus_per_node=env.view().local_world_size, model_config=model_config,
+                            max_seq_len=args.max_seq_len, attention=getattr(args, "attention", "auto"),
+                            pack=getattr(args, "pack", False), engine=fsdp.ENGINE if fsdp_launch else "deepspeed",
+                            loss_chunks=getattr(args, "loss_chunks", 0))
+    if getattr(args, "tiled_mlp", False) and fsdp_launch is not None:
+        raise ConfigError("--tiled-mlp under FSDP2: DeepSpeed's TiledMLP holds each slice's gradients back for ZeRO, "
+                          "which FSDP2's reduce-scatter would take once per slice. Launch with a DeepSpeed config "
+                          "(configs/zero3-ulysses.yaml), or drop --tiled-mlp.")
     identity = {"architecture": architecture(model_config, shape), "method": method, "num_labels": num_labels,
                 "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
 
@@ -112,7 +121,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                            recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
                            loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
                            offload_activations=args.offload_activations,
-                           adapter=adapter, skip=args.skip_memory_check),
+                           sequence_parallel=getattr(args, "sequence_parallel", 1),
+                           tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check),
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0",

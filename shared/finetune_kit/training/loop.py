@@ -87,7 +87,10 @@ class Step:
 def labelled_items(batch: dict) -> torch.Tensor:
     """What the loss of ``batch`` averages over: the labelled next-token targets of a causal LM
     (``labels`` of shape (batch, seq), shifted by one as transformers' loss shifts them), or the
-    labelled rows of a classifier (``labels`` of shape (batch,))."""
+    labelled rows of a classifier (``labels`` of shape (batch,)); a sequence-parallel slice's
+    ``shift_labels`` are shifted already."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
     labels = batch["labels"]
     targets = labels if labels.dim() == 1 else labels[..., 1:]
     return (targets != IGNORE_INDEX).sum()
