@@ -222,7 +222,8 @@ def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpu
 # ---------------------------------------------------------------------------------------------
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient_checkpointing: bool, *,
                      num_labels: int | None = None, kv_repeated: bool = True, loss_chunks: int = 0,
-                     recompute_every: int = 1) -> dict[str, int]:
+                     recompute_every: int = 1, sequence_parallel: int = 1, tiled_mlp: bool = False
+                     ) -> dict[str, int]:
     """Peak activation bytes per GPU for one micro-batch of a Llama decoder in bf16.
 
     Method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -256,24 +257,47 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     12.0·V. With ``loss_chunks`` (the chunked loss of
     ``models.chunked_loss``) only one chunk's tokens hold them at a time, in the forward and in the
     recomputing backward. Sequence classification has num_labels logits instead.
-    Peak = kept layers + final norm/head input + max(loss, one rebuilt layer).
+    Peak = kept layers + final norm/head input + max(loss, one rebuilt layer) + all-to-all buffers.
     LoRA/QLoRA are counted like full fine-tuning (the adapters' own activations are rank-sized).
+
+    Long context (DeepSpeed ALST, Bekman et al. 2025, arXiv 2506.13996):
+
+    * ``sequence_parallel`` sp (Ulysses): each rank holds seq_len/sp tokens, so every term above is
+      counted at the local length. Attention runs on the whole sequence with heads/sp heads, the same
+      number of elements, so its per-token bytes do not change. Ulysses' all-to-alls (q, k, v in,
+      the attention output back) hold an input and an output buffer of one layer's q, k, v and output
+      at the local length: 2 x (2h + 2·kv_dim + 2·kv_dim + 2h) bytes per local token ("a2a"). The
+      wrapper calls the attention kernel without a padding mask, so k and v keep their own heads.
+    * ``tiled_mlp`` (DeepSpeed TiledMLP): the MLP runs in shards = ceil(local tokens / h) pieces and
+      keeps only its input; the rebuilt layer holds the SwiGLU intermediates (8f per token) of one
+      shard instead of the whole local sequence.
     """
-    tokens = micro_batch * seq_len
+    sp = max(1, sequence_parallel)
+    tokens = micro_batch * -(-seq_len // sp)  # this rank's share of the sequence
     h, f = shape.hidden_size, shape.intermediate_size
-    kv = h if kv_repeated else shape.kv_dim
+    kv = h if kv_repeated and sp == 1 else shape.kv_dim
     attention = 6 * h + 2 * h + 2 * h + 2 * kv + 2 * kv + 2 * h + FP32 * shape.num_attention_heads
     mlp = 6 * h + 2 * h + 8 * f
     per_layer = attention + mlp
+    shard_tokens = -(-tokens // tiled_mlp_shards(shape, tokens)) if tiled_mlp else tokens
+    rebuilt_layer = (attention + 6 * h + 2 * h) * tokens + 8 * f * shard_tokens
     outputs = num_labels or shape.vocab_size
     final = (6 * h + 2 * h) * tokens  # final RMSNorm + head input
     loss_tokens = -(-tokens // loss_chunks) if loss_chunks and not num_labels else tokens
     loss = 3 * FP32 * outputs * loss_tokens
     layers = shape.num_hidden_layers
     checkpointed = -(-layers // recompute_every) if gradient_checkpointing else 0
-    kept = (2 * h * checkpointed + per_layer * (layers - checkpointed)) * tokens
-    rebuilt = per_layer * tokens if checkpointed else 0
-    return {"kept": kept + final, "loss": loss, "recompute": rebuilt, "peak": kept + final + max(loss, rebuilt)}
+    whole = (attention + 6 * h + 2 * h) * tokens if tiled_mlp else per_layer * tokens  # one layer kept whole
+    kept = 2 * h * checkpointed * tokens + whole * (layers - checkpointed)
+    rebuilt = rebuilt_layer if checkpointed else 0
+    a2a = 2 * (2 * h + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * h) * tokens if sp > 1 else 0
+    return {"kept": kept + final, "loss": loss, "recompute": rebuilt, "a2a": a2a,
+            "peak": kept + final + max(loss, rebuilt) + a2a}
+
+
+def tiled_mlp_shards(shape: ModelShape, tokens: int) -> int:
+    """Shards DeepSpeed's TiledMLP splits ``tokens`` into: ceil(tokens / hidden size), at least 1."""
+    return max(1, -(-tokens // shape.hidden_size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +321,9 @@ class Setup:
     recompute_every: int = 1  # with checkpointing: every N-th decoder layer (1: all of them)
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
     offload_activations: bool = False  # activations saved for backward kept in pinned host memory
+    sequence_parallel: int = 1  # Ulysses SP degree: each rank holds seq_len / sequence_parallel tokens
+    tiled_mlp: bool = False  # DeepSpeed TiledMLP: the MLP computed in shards of about hidden-size tokens
+    kv_repeated: bool = True  # k, v repeated to all heads (SDPA with a padding mask); False: flash-attention
     adapter: Adapter | None = None
     num_labels: int | None = None  # sequence classification head instead of the LM head
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
@@ -448,8 +475,12 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             result.gpu_parts["ZeRO-3 gathered weights"] = int(2 * largest_bytes)
         if s.adapter.quantized:
             result.gpu_parts["dequantised weight (bf16)"] = biggest_linear * BF16
+    if s.sequence_parallel < 1 or s.gpus % s.sequence_parallel:
+        raise ConfigError(f"sequence_parallel {s.sequence_parallel} must be at least 1 and divide the {s.gpus} "
+                          "GPU(s): Ulysses groups are whole; pick a divisor of nodes x GPUs per node.")
     act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels,
-                           loss_chunks=s.loss_chunks, recompute_every=s.recompute_every)
+                           loss_chunks=s.loss_chunks, recompute_every=s.recompute_every, kv_repeated=s.kv_repeated,
+                           sequence_parallel=s.sequence_parallel, tiled_mlp=s.tiled_mlp)
     kept_label = "activations kept, " + ("all layers (no checkpointing)" if not s.gradient_checkpointing
                                          else "layer inputs only (checkpointing)" if s.recompute_every == 1
                                          else f"every {_ordinal(s.recompute_every)} layer checkpointed, the "
@@ -462,7 +493,11 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         chunked = f" (1/{s.loss_chunks} of the tokens at a time)" if s.loss_chunks and not s.num_labels else ""
         result.gpu_parts[f"logits + loss{chunked}"] = act["loss"]
     else:
-        result.gpu_parts["one layer recomputed in backward"] = act["recompute"]
+        tiled = f" (MLP in {tiled_mlp_shards(shape, s.micro_batch * -(-s.seq_len // s.sequence_parallel))} " \
+                "shards)" if s.tiled_mlp else ""
+        result.gpu_parts[f"one layer recomputed in backward{tiled}"] = act["recompute"]
+    if act["a2a"]:
+        result.gpu_parts[f"activations: Ulysses all-to-all buffers (sp {s.sequence_parallel}, one layer)"] = act["a2a"]
     tensors = sum(result.gpu_parts.values())
     result.gpu_parts["CUDA context + allocator"] = int(CUDA_CONTEXT_GIB * GiB + FRAGMENTATION * tensors)
     return result
@@ -608,7 +643,8 @@ def local_gpu_memory_GiB() -> float | None:
 def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
               num_labels: int | None = None, loss_chunks: int = 0, offload_activations: bool = False,
-              recompute_every: int = 1, gpu_memory_GiB: float | None = None,
+              recompute_every: int = 1, sequence_parallel: int = 1, tiled_mlp: bool = False,
+              gpu_memory_GiB: float | None = None,
               host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
               flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
@@ -620,6 +656,7 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
     ``skip_flag``) turns the error into a warning. ``flags`` names the script's own flags for the
     suggestion (keys micro_batch, grad_accum, gradient_checkpointing). ``report`` receives the
     prediction line; by default the module logger, or stderr on rank 0 when logging is not set up.
+    ``sequence_parallel`` and ``tiled_mlp``: the launch's Ulysses degree and TiledMLP (see :class:`Setup`).
     """
     import sys
 
@@ -639,7 +676,8 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
     fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
                   host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
                   gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels,
-                  loss_chunks=loss_chunks, offload_activations=offload_activations, recompute_every=recompute_every)
+                  loss_chunks=loss_chunks, offload_activations=offload_activations, recompute_every=recompute_every,
+                  sequence_parallel=sequence_parallel, tiled_mlp=tiled_mlp)
     setup = setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")

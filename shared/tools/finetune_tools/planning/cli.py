@@ -7,6 +7,8 @@
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
         --tokens 2e8 --price 2.5 --calibration results/speed-calibration.json   # fit, speed, time and cost
+    python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --model llama3.1-8b --gpu h100 \
+        --gpus-per-node 8 --sequence-parallel 8 --seq-len max   # the longest context, ALST's levers on
 
 ``--model`` takes a config.json, a model folder, or a known architecture: see
 ``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning.memory``.
@@ -28,13 +30,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
-from finetune_kit.planning.memory import Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.planning.memory import (
+    Plan,
+    Setup,
+    plan,
+    setup_for_fsdp2,
+    setup_from_deepspeed,
+    suggest,
+)
 from finetune_tools.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
+from finetune_tools.planning.long_context import alst_levers, longest_context
 from finetune_tools.planning.recipe_tables import gib, recipe_plans
 from finetune_tools.planning.speed import Cluster, Job, calibrated, job_for, predict
 from finetune_tools.tables import text_table
@@ -45,9 +56,12 @@ def describe_setup(s: Setup) -> str:
     offload = [f"{w} to NVMe" if s.nvme else w for w in offload]
     method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
     sharding = "FSDP2 (full sharding)" if s.engine == "fsdp2" else f"ZeRO-{s.stage}"
+    long_context = [w for w, on in ((f"Ulysses SP {s.sequence_parallel}", s.sequence_parallel > 1),
+                                    ("tiled MLP", s.tiled_mlp), ("activations offloaded", s.offload_activations),
+                                    (f"loss in {s.loss_chunks} chunks", s.loss_chunks > 0)) if on]
     return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), {sharding}, offload: {', '.join(offload) or 'none'}, "
             f"{method}, micro-batch {s.micro_batch} x {s.seq_len} tokens, gradient checkpointing "
-            f"{'on' if s.gradient_checkpointing else 'off'}")
+            f"{'on' if s.gradient_checkpointing else 'off'}" + "".join(f", {w}" for w in long_context))
 
 
 def render_plan(p: Plan, flags: dict | None = None) -> str:
@@ -99,7 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ds.add_argument("--fsdp2", action="store_true", help="PyTorch FSDP2 (full sharding) instead of DeepSpeed")
     run = p.add_argument_group("batch and method")
     run.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward")
-    run.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    run.add_argument("--seq-len", type=_seq_len, default=2048,
+                     help="tokens per sequence, or 'max': the longest that fits, with ALST's levers on (tiled MLP, "
+                          "checkpoints offloaded to host memory, tiled loss)")
+    run.add_argument("--sequence-parallel", type=int, default=1,
+                     help="Ulysses sequence-parallel degree (DeepSpeed ALST): GPUs that share one sequence")
+    run.add_argument("--tiled-mlp", action="store_true", help="DeepSpeed TiledMLP: the MLP in sequence shards")
     run.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     run.add_argument("--recompute-every", type=int, default=1,
                      help="checkpoint every N-th decoder layer, as the recipes' --recompute-every (1: all)")
@@ -123,6 +142,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+MAX_SEQ = "max"
+
+
+def _seq_len(text: str) -> int | str:
+    if text.strip().lower() == MAX_SEQ:
+        return MAX_SEQ
+    try:
+        value = int(float(text))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--seq-len {text!r}: a positive number of tokens, or 'max' for the "
+                                         "longest that fits")
+    return value
+
+
 def setup_from_args(args) -> Setup:
     ds = json.loads(args.deepspeed_config.read_text()) if args.deepspeed_config else {
         "zero_optimization": {"stage": 3}}
@@ -131,10 +166,11 @@ def setup_from_args(args) -> Setup:
         targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
         adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
     fields = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_GiB=args.gpu_memory_GiB,
-                  host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size, seq_len=args.seq_len,
+                  host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size,
+                  seq_len=2048 if args.seq_len == MAX_SEQ else args.seq_len,
                   gradient_checkpointing=args.gradient_checkpointing, recompute_every=args.recompute_every,
-                  loss_chunks=args.loss_chunks,
-                  offload_activations=args.offload_activations, adapter=adapter, num_labels=args.num_labels)
+                  loss_chunks=args.loss_chunks, offload_activations=args.offload_activations, adapter=adapter,
+                  num_labels=args.num_labels, sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp)
     if args.fsdp2:
         return setup_for_fsdp2(**fields)
     setup = setup_from_deepspeed(ds, **fields)
@@ -205,13 +241,30 @@ def count_tokens(args) -> int:
     return counts.tokens
 
 
+def render_longest(model, setup: Setup, args) -> str:
+    """The longest context that fits ``setup`` with ALST's levers on, its memory breakdown and speed."""
+    best = longest_context(model, alst_levers(setup))
+    if best is None:
+        return (f"predicted longest context: none fits ({describe_setup(alst_levers(setup))}); even "
+                f"{setup.sequence_parallel * 1024:,} tokens needs more memory")
+    s = best.setup
+    head = (f"predicted longest context: {s.seq_len:,} tokens per sequence ({s.seq_len // s.sequence_parallel:,} "
+            f"tokens per GPU), the longest multiple of {math.lcm(1024, s.sequence_parallel):,} tokens that fits\n")
+    return head + render_plan(best) + (f"\n\n{render_speed(best, args)}" if args.gpu else "")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
         entry, first = recipe_plans(args.recipe)[0]
         s = replace(first.setup, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB)
-        p = plan(first.model, s)
+                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
+                    sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp or first.setup.tiled_mlp)
+        model = args.model or first.model
+        if args.seq_len == MAX_SEQ:
+            print(f"== {args.recipe.name} ({entry['config']})\n{render_longest(model, s, args)}")
+            return 0
+        p = plan(model, s)
         print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
         return 0
     if args.recipe:
@@ -220,6 +273,9 @@ def main(argv=None) -> int:
         return 0
     if not args.model:
         raise UserInputError("pass --model or --recipe; see --help.")
+    if args.seq_len == MAX_SEQ:
+        print(render_longest(args.model, setup_from_args(args), args))
+        return 0
     p = plan(args.model, setup_from_args(args))
     print(render_plan(p) + (f"\n\n{render_speed(p, args)}" if args.gpu else ""))
     return 0

@@ -18,6 +18,13 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
   its packed weights (half a byte per parameter) and reduces only the trainable gradients. On one
   node the link is the GPU's NVLink/PCIe; across nodes the ring crosses the network, whose per-node
   rate is shared by the node's GPUs. Links reach :data:`~.hardware.LINK_EFFICIENCY` of their rate.
+* **Ulysses sequence parallelism** (``sequence_parallel`` sp > 1, DeepSpeed ALST): each rank computes
+  seq_len/sp tokens of a sequence, and its attention FLOPs are those of the whole sequence (12LHQT per
+  token with T the full length, so they grow with seq^2 per sequence). Per layer and micro-batch, four
+  all-to-alls in the forward (q, k, v in; the attention output back), four in the backward and four
+  more in the recomputed forward under checkpointing, each sending (sp-1)/sp of a local bf16 tensor
+  (:func:`all_to_all_bytes`). A group inside one node uses NVLink/PCIe; a group over several nodes
+  sends the share bound for other nodes over the network.
 * **the optimizer step**: a fixed time per optimizer step for each trainable parameter a GPU
   updates (its shard under ZeRO; the Adam update, the engine's per-step bookkeeping), fitted per
   engine (DeepSpeed, or PyTorch's own optimizer under FSDP2 or on one device): ``step_s_per_param``.
@@ -61,6 +68,7 @@ class Job:
     gradient_checkpointing: bool = True
     adapter: Adapter | None = None  # LoRA/QLoRA: a frozen base (quantized: nf4)
     num_labels: int | None = None
+    sequence_parallel: int = 1  # Ulysses SP degree: ranks that share one sequence
 
     @property
     def method(self) -> str:
@@ -84,7 +92,7 @@ def job_for(shape: ModelShape, setup, grad_accum: int = 4) -> Job:
     return Job(shape, seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=grad_accum,
                stage=setup.stage, engine=setup.engine, offload_optimizer=setup.offload_optimizer,
                gradient_checkpointing=setup.gradient_checkpointing, adapter=setup.adapter,
-               num_labels=setup.num_labels)
+               num_labels=setup.num_labels, sequence_parallel=setup.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -202,10 +210,24 @@ def bytes_per_step(job: Job, gpus: int) -> float:
     return 2 * _ring(trainable * BF16, gpus)  # ZeRO-0/1: all-reduce of the gradients
 
 
+def all_to_all_bytes(job: Job) -> float:
+    """What each GPU sends in one micro-batch's Ulysses all-to-alls: per layer q (h), k and v (kv_dim
+    each) and the attention output (h) at the local length, in bf16, forward, backward and (with
+    checkpointing) the recomputed forward; each all-to-all keeps 1/sp of its tensor on the rank."""
+    sp = job.sequence_parallel
+    if sp <= 1:
+        return 0.0
+    shape = job.shape
+    local_tokens = job.micro_batch * job.seq_len / sp
+    per_layer = (2 * shape.hidden_size + 2 * shape.kv_dim) * BF16 * local_tokens
+    passes = 2 + job.gradient_checkpointing
+    return shape.num_hidden_layers * passes * (sp - 1) / sp * per_layer
+
+
 def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) -> Prediction:
     eff = efficiency or Efficiency()
     gpus = cluster.gpus
-    tokens = job.micro_batch * job.seq_len * job.grad_accum * gpus
+    tokens = job.micro_batch * job.seq_len * job.grad_accum * gpus // max(1, job.sequence_parallel)
     recompute = 1 + (1 / 3 if job.adapter is None else 1 / 2) * job.gradient_checkpointing  # the forward again
     matmul = tokens / gpus * job.flops_per_token() * recompute / (cluster.gpu.peak_bf16_tflops * 1e12
                                                                   * eff.compute_for(job.method, cluster.gpu))
@@ -226,6 +248,13 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
             intra = sent / intra_rate
     else:
         intra = sent / intra_rate
+    if job.sequence_parallel > 1:
+        a2a = job.grad_accum * all_to_all_bytes(job)
+        in_node = min(job.sequence_parallel, cluster.gpus_per_node)
+        off_node = (job.sequence_parallel - in_node) / (job.sequence_parallel - 1)  # share bound for other nodes
+        intra += a2a * (1 - off_node) / intra_rate
+        if off_node:
+            inter += a2a * off_node / (cluster.network.per_node_GBps * 1e9 * LINK_EFFICIENCY / cluster.gpus_per_node)
     offload = 0.0
     if job.offload_optimizer:
         trainable = job.trainable()

@@ -61,8 +61,9 @@ def published_observations(path: Path) -> list[tuple[Observation, str]]:
     with path.open(newline="") as f:
         for r in csv.DictReader(f):
             gpu = gpu_for_device(r["hardware"])
-            if gpu is None:
-                continue
+            if gpu is None or not any(r[k].strip() for k in (keys.TOKENS_PER_S.key, keys.TOKENS_PER_S_PER_DEVICE.key,
+                                                              "samples")):
+                continue  # no GPU profile, or no speed stated (a longest-context row)
             gpus, seq_len = int(r["gpus"]), int(r["seq_len"])
             per_gpu = r[keys.TOKENS_PER_S_PER_DEVICE.key].strip()
             total = r[keys.TOKENS_PER_S.key].strip()
