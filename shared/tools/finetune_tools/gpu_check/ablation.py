@@ -5,11 +5,19 @@ sizes or recipe flags changed. The first row of each case is its baseline; the t
 tokens/s per GPU, MFU and peak memory of every row, and the speed-up against that baseline.
 On one GPU DeepSpeed has nothing to communicate, so ``overlap_comm`` and the bucket sizes are not
 among the levers here: they matter across GPUs.
+
+The long-context rows (:data:`LONG_VARIANTS`) run the 8B shape at 32K-512K tokens per sequence with
+sequence-parallel size 1: where the tiled MLP and checkpoints in host memory pay off, and the longest
+sequence one GPU holds (a probe that stops at its first out-of-memory row, recorded as a result).
+Their times are predicted (:func:`long_context_seconds`), not measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from finetune_tools.gpu_check import cases
+from finetune_tools.gpu_check.synthetic import check_shape
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,9 @@ class Variant:
     flags: tuple[str, ...] = ()  # recipe flags added to the case's
     lever: str = ""  # what this row changes, for the table
     data: str | None = None  # the synthetic data's kind (default: the case's; short-instructions for packing)
+    steps: int | None = None  # optimizer steps (None: the check's own, 8)
+    probe: str = ""  # rows of one probe, shortest first: after one runs out of GPU memory the longer ones are not run
+    note: str = ""  # what a reader of the row must know (how it relates to the full model)
 
 
 NO_CKPT = ("--no-gradient-checkpointing",)
@@ -67,6 +78,49 @@ VARIANTS = [
     Variant("13b-mb2-ga4-wholeloss", "llama2-13b-zero2-bf16", 2, 4, flags=("--loss_chunks", "0"),
             lever="the loss over the whole micro-batch's logits (no chunks), accumulation 4"),
 ]
+
+# ---- long context on one GPU: the 8B shape, micro-batch 1, sequence-parallel size 1 ----
+K = 1024
+LOSS_CHUNK_TOKENS = 4 * K  # tokens per loss chunk: one chunk's fp32 logits, 4,096 x 128,256 x 4 B = 2 GiB
+LONG_STEPS = 3  # optimizer steps of a row up to 128K: one warm-up, two measured
+LONGEST_STEPS = 2  # past 128K (minutes a step): one warm-up, one measured; enough for "fits" and the peak
+LONG_NOTE = (f"measured at {cases.EVERY_CASE[cases.LONG].layers} decoder layers; the full depth's peak GPU memory "
+             "is the planner's prediction from the measured per-layer figure: each further layer adds its bf16 weights "
+             "and gradients (0.81 GiB) and, with checkpoints on the GPU, 8 KiB per token (predicted)")
+EXTENDED_NOTE = (LONG_NOTE + "; the check model's max_position_embeddings is raised to 512K (Llama 3.1 publishes "
+                 "128K): a memory and speed probe, not a context the model was trained for")
+
+
+def long_row(name: str, seq_len: int, lever: str, *, tiled_mlp: bool = True, offload: bool = True,
+             pack: bool = False, probe: str = "") -> Variant:
+    """A long-context row: the loss in chunks of LOSS_CHUNK_TOKENS, checkpointing on (the recipe's
+    default), one warm-up step left out of the record's medians; rows past 128K on the model whose
+    positions reach 512K."""
+    flags = ["--loss-chunks", str(seq_len // LOSS_CHUNK_TOKENS), "--meter-warmup-steps", "1",
+             *(["--tiled-mlp"] if tiled_mlp else []), *(["--offload-activations"] if offload else []),
+             *(["--pack"] if pack else [])]
+    extended = seq_len > cases.positions(cases.EVERY_CASE[cases.LONG])
+    return Variant(name, cases.LONG_EXTENDED if extended else cases.LONG, 1, 1, seq_len=seq_len, flags=tuple(flags),
+                   lever=lever, data="long-documents" if pack else None, probe=probe,
+                   steps=LONGEST_STEPS if extended else LONG_STEPS, note=EXTENDED_NOTE if extended else LONG_NOTE)
+
+
+LONGEST = "8b-longest"  # the probe: tiled MLP, checkpoints in host memory, chunked loss, micro-batch 1
+LONG_VARIANTS = [
+    *(row for k in (32, 128) for row in (
+        long_row(f"8b-{k}k-ckpt-gpu", k * K, tiled_mlp=False, offload=False,
+                 lever=f"{k}K tokens: baseline, checkpoints in GPU memory, the whole MLP at once"),
+        long_row(f"8b-{k}k-tiledmlp", k * K, offload=False, lever=f"{k}K tokens: the MLP in sequence tiles"),
+        long_row(f"8b-{k}k-offloadckpt", k * K, tiled_mlp=False,
+                 lever=f"{k}K tokens: checkpoints in pinned host memory"))),
+    long_row("8b-128k-packed", 128 * K, pack=True,
+             lever="128K tokens of packed documents (1/8 to 1/2 of the sequence each), tiled MLP, checkpoints in "
+                   "host memory: attention inside each document"),
+    *(long_row(f"{LONGEST}-{k}k", k * K, probe=LONGEST,
+               lever=f"{k}K tokens: tiled MLP, checkpoints in host memory (longest-context probe)")
+      for k in (32, 64, 128, 256, 512)),
+]
+VARIANTS += LONG_VARIANTS
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # Seconds one variant of each case takes on one H100 from launch to exit at accumulation 4, 8 steps,
@@ -78,9 +132,50 @@ COMPILE_SECONDS = 60  # predicted, not measured: Inductor's compilation of one d
 SETUP_SECONDS = 150  # install, the model builds and the op compilation, before the first variant
 
 
+# What a long-context row's time is predicted from (one H100, none of it measured at long context yet):
+# the launch and the optimizer step are the offload case's measured figures (results/: its 122 s are
+# 8 steps of 2.3 s per optimizer step, CPU Adam over 2.80e9 parameters, plus 0.51 s per 8,192-token
+# micro-batch, and 88 s of launch, DeepSpeed set-up and data); the rates are predicted.
+OFFLOAD_LAUNCH_SECONDS = 88  # measured on one H100 (see above)
+CPU_ADAM_NS_PER_PARAM = 0.81  # measured on one H100: 2.28 s per optimizer step over 2.80e9 parameters
+MATMUL_TFLOPS = 400  # predicted: the 304 model TFLOP/s measured at 4K (results/) plus the recomputed forward
+ATTENTION_TFLOPS = 250  # predicted: flash attention's causal forward and backward at head dimension 128
+DATA_TOKENS_PER_S = 300_000  # predicted: writing and tokenising the synthetic rows on the host's CPU
+
+
+def step_flops_per_token(arch: str, layers: int, seq_len: int, tiled_mlp: bool) -> dict[str, float]:
+    """Hardware FLOPs per token of one training step with every layer checkpointed: the linear layers
+    four times their forward (forward, recomputed forward, backward twice that), the tiled MLP's
+    second recomputation, causal attention 2·S·d a forward (``9·S·d`` in all, flash attention's
+    backward recomputing the scores), the head's chunked loss four times too (its second pass)."""
+    shape = check_shape(arch, layers)
+    linear = {name: i * o for name, (i, o) in shape.linear_shapes().items()}
+    mlp = sum(v for name, v in linear.items() if name.endswith(("gate_proj", "up_proj", "down_proj")))
+    per_layer = 8 * sum(linear.values()) + (2 * mlp if tiled_mlp else 0)
+    head = 8 * shape.vocab_size * shape.hidden_size
+    attention = 9 * seq_len * shape.q_dim
+    return {"matmul": layers * per_layer + head, "attention": layers * attention}
+
+
+def long_context_seconds(variant: Variant) -> float:
+    """Predicted seconds of a long-context row on one H100: launch, data, and each step's compute
+    (at :data:`MATMUL_TFLOPS` and :data:`ATTENTION_TFLOPS`; packed rows counted as one document per
+    sequence, an upper bound) and CPU Adam step."""
+    case = cases.EVERY_CASE[variant.case]
+    flops = step_flops_per_token(case.arch, case.layers, variant.seq_len, "--tiled-mlp" in variant.flags)
+    tokens = variant.seq_len * variant.micro_batch * variant.grad_accum
+    compute = tokens * (flops["matmul"] / (MATMUL_TFLOPS * 1e12) + flops["attention"] / (ATTENTION_TFLOPS * 1e12))
+    adam = check_shape(case.arch, case.layers).total_params() * CPU_ADAM_NS_PER_PARAM * 1e-9
+    data_rows = variant.steps * variant.micro_batch * variant.grad_accum * 2 + 8  # as runner.run_case writes
+    return OFFLOAD_LAUNCH_SECONDS + data_rows * variant.seq_len / DATA_TOKENS_PER_S + variant.steps * (compute + adam)
+
+
 def expected_seconds(variant: Variant) -> float:
     """How long ``variant`` should take on one H100, from the measured per-case times (scaled by
-    its accumulation against the measured 4), plus the compilation when it compiles."""
+    its accumulation against the measured 4), plus the compilation when it compiles; a long-context
+    row's from :func:`long_context_seconds` (predicted)."""
+    if variant.case in {c.name for c in cases.LONG_CASES}:
+        return long_context_seconds(variant)
     per_case = SECONDS_ON_H100[variant.case]
     return per_case * max(1.0, variant.grad_accum / 4) + ("--compile" in variant.flags) * COMPILE_SECONDS
 
@@ -98,13 +193,24 @@ def batches(variants: list[Variant], budget_s: float) -> list[list[Variant]]:
     return groups
 
 
+def probe_stopped(variant: Variant, rows: list[dict]) -> str | None:
+    """Why ``variant`` is not run: an earlier (shorter) row of its probe ran out of GPU memory, so a
+    longer one would too; None to run it."""
+    for row in rows:
+        earlier = BY_NAME.get(row.get("run", ""))
+        if variant.probe and earlier and earlier.probe == variant.probe and row["status"] == "out of memory":
+            return f"{earlier.name} ({earlier.seq_len:,} tokens) ran out of GPU memory"
+    return None
+
+
 def speedups(rows: list[dict]) -> list[dict]:
-    """Each row with ``speedup`` against the first finished row of the same case (its baseline)."""
-    base: dict[str, float] = {}
+    """Each row with ``speedup`` against the first finished row of the same case and sequence length
+    (its baseline: tokens/s at 32K and at 128K are not one lever apart)."""
+    base: dict[tuple, float] = {}
     out = []
     for row in rows:
-        tps = row.get("tokens_per_s_per_device")
-        if tps and row["case"] not in base:
-            base[row["case"]] = tps
-        out.append({**row, "speedup": tps / base[row["case"]] if tps and row["case"] in base else None})
+        tps, key = row.get("tokens_per_s_per_device"), (row["case"], row.get("seq_len"))
+        if tps and key not in base:
+            base[key] = tps
+        out.append({**row, "speedup": tps / base[key] if tps and key in base else None})
     return out

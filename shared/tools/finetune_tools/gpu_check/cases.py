@@ -4,6 +4,12 @@ Against the README commands only the model (the real architecture truncated to `
 data (synthetic, every sequence full), the number of processes (one GPU), the step count and the
 sizes change; checkpoints are off (``--save-every 0``, ``--save_strategy no``: a truncated 8B's
 optimizer states are tens of GB of disk per case); ``--no-save`` also skips the final model or adapter.
+
+:data:`LONG_CASES` are the 8B recipe on one GPU at long context, for the ablation's long-context rows
+only (not run by the plain check): Llama 3.1 8B's shape, the optimizer in CPU memory
+(``configs/zero3-offload.yaml``, the one-GPU base of ``configs/zero3-ulysses.yaml``), micro-batch 1,
+sequence-parallel size 1. Two decoder layers: a long sequence's GPU working set is one layer's (the
+checkpoints of the others can live in host memory), while its time grows with every layer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class Case:
     flags: tuple[str, ...] = ()  # case-specific recipe flags
     gpu_only: str = ""  # why the case cannot run on a CPU ("" when it can)
     method: str = "full"
+    max_positions: int = 0  # the check model's max_position_embeddings (0: the published architecture's)
     extra: dict = field(default_factory=dict)
 
 
@@ -51,7 +58,24 @@ CASES = [
          launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3-main.yaml", "--num_machines", "1",
                    "--machine_rank", "0", "--main_process_ip", "127.0.0.1")),
 ]
-BY_NAME = {case.name: case for case in CASES}
+OFFLOAD_1GPU = (*ACCELERATE_1GPU, "--config_file", "configs/zero3-offload.yaml")
+LONG, LONG_EXTENDED = "llama3.1-8b-zero3-offload-long", "llama3.1-8b-zero3-offload-512k"
+LONG_CASES = [
+    Case(LONG, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=2, seq_len=32 * 1024,
+         micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1")),
+    # past the published 128K the recipe refuses a longer --max-seq-len: the same shape with more positions
+    Case(LONG_EXTENDED, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=2, seq_len=512 * 1024,
+         micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1"), max_positions=512 * 1024),
+]
+BY_NAME = {case.name: case for case in CASES}  # what --cases takes
+EVERY_CASE = {case.name: case for case in CASES + LONG_CASES}  # what an ablation row may name
+
+
+def positions(case: Case) -> int:
+    """The longest sequence the case's model takes (its max_position_embeddings)."""
+    from finetune_kit.models.shapes import KNOWN_MODELS
+
+    return case.max_positions or KNOWN_MODELS[case.arch]["max_position_embeddings"]
 
 
 def recipe_flags(case: Case, *, model: str, data: str, output: str, steps: int, seq_len: int,

@@ -7,7 +7,9 @@
 
 The models are built first, each in a process of its own (nothing holds GPU memory while a case
 trains), while DeepSpeed's fused and CPU Adam compile side by side in two others; ``summary.json``
-is rewritten after every case, so a crashed or timed-out case keeps the others' rows.
+is rewritten after every case, so a crashed or timed-out case keeps the others' rows. A case that
+runs out of GPU memory is a row with status "out of memory": a failure of the plain check, a result
+of the ablation (its long-context probe stops at the first such row).
 
 Each case's outputs go to ``--out/<case>/`` (its log in ``run.log``); its run record is copied to
 ``--out/records/<case>.json``, ready for ``results/runs/``; ``--out/summary.json`` and the printed
@@ -29,8 +31,8 @@ import time
 from pathlib import Path
 
 from finetune_tools.gpu_check import ablation, host_check
-from finetune_tools.gpu_check.cases import BY_NAME, CASES, Case, recipe_flags
-from finetune_tools.gpu_check.synthetic import SHORT_PER_ROW, build_model, check_shape, write_data
+from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, recipe_flags
+from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
 from finetune_tools.paths import find_root
 from finetune_tools.tables import text_table
 
@@ -52,8 +54,19 @@ def gpu_memory() -> dict | None:
     return info and {"name": info["name"], "total_GiB": round(info["total"], 2), "free_GiB": round(info["free"], 2)}
 
 
-def model_folder(out: Path, arch: str, layers: int, tiny: bool) -> Path:
-    return out / "models" / (f"{arch}-{layers}-layers" + ("-tiny" if tiny else ""))
+# what torch, CUDA and DeepSpeed print when GPU memory runs out (torch.OutOfMemoryError, a failed cudaMalloc)
+OOM_MESSAGES = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+
+
+def out_of_memory(log: str) -> str | None:
+    """The last line of ``log`` that says GPU memory ran out, or None."""
+    lines = [line.strip() for line in log.splitlines() if any(m in line for m in OOM_MESSAGES)]
+    return lines[-1][:500] if lines else None
+
+
+def model_folder(out: Path, arch: str, layers: int, tiny: bool, max_positions: int = 0) -> Path:
+    return out / "models" / (f"{arch}-{layers}-layers" + (f"-{max_positions}-positions" if max_positions else "")
+                             + ("-tiny" if tiny else ""))
 
 
 def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path]:
@@ -61,16 +74,17 @@ def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path
     took goes back to the driver when that process ends, before any case trains."""
     ctx = multiprocessing.get_context("spawn")
     paths = {}
-    for arch, family, layers in specs:
-        folder = model_folder(out, arch, layers, tiny)
+    for arch, family, layers, positions in specs:
+        folder = model_folder(out, arch, layers, tiny, positions)
         start = time.monotonic()
-        proc = ctx.Process(target=build_model, args=(arch, family, layers, folder), kwargs={"tiny": tiny})
+        proc = ctx.Process(target=build_model, args=(arch, family, layers, folder),
+                           kwargs={"tiny": tiny, "max_positions": positions})
         proc.start()
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"building the {arch} model ({layers} layers) failed with exit code {proc.exitcode}")
         print(f"model {folder.name}: {time.monotonic() - start:.0f} s", flush=True)
-        paths[(arch, family, layers)] = folder
+        paths[(arch, family, layers, positions)] = folder
     return paths
 
 
@@ -86,7 +100,8 @@ def free_port() -> int:
 def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, steps: int, seq_len: int,
              micro_batch: int, grad_accum: int = 1, save: bool = True, timeout: float | None = None,
              extra: tuple[str, ...] = (), name: str | None = None, data: str | None = None) -> dict:
-    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out").
+    """Write the data, run the recipe, return the summary row (status "ok", "failed", "timed out",
+    "out of memory": the GPU's, named by the log line under "oom").
     ``name`` (default: the case's) names the output folder and the record; ``data`` (default: the
     case's) the kind of synthetic data."""
     name = name or case.name
@@ -101,7 +116,7 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
         row["data"] = kind
     suffix = "csv" if kind == "reviews" else "jsonl"
     rows = steps * micro_batch * grad_accum * 2 + 8  # enough for every step and a held-out share
-    rows *= SHORT_PER_ROW if kind == "short-instructions" else 1  # packed: several examples per sequence
+    rows *= EXAMPLES_PER_SEQUENCE.get(kind, 1)  # packed: several examples per sequence
     data = write_data(kind, out / "data" / f"{kind}-{seq_len}-{rows}.{suffix}", rows=rows, seq_len=seq_len)
     output = out / name
     shutil.rmtree(output, ignore_errors=True)
@@ -132,11 +147,12 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
     row["seconds"] = round(time.monotonic() - start, 1)
     record_path = output / "run_record.json"
     if returncode != 0 or not record_path.is_file():
-        tail = (output / "run.log").read_text()[-3000:]
-        status = "timed out" if returncode is None else "failed"
+        log = (output / "run.log").read_text(errors="replace")
+        oom = out_of_memory(log[-50_000:]) if returncode is not None else None  # the launcher's traceback follows
+        status = "timed out" if returncode is None else "out of memory" if oom else "failed"
         print(f"-- {name} {status} (exit {returncode}, {row['seconds']} s); the end of {output / 'run.log'}:\n"
-              f"{tail}", flush=True)
-        return {**row, "status": status, "exit": returncode}
+              f"{log[-3000:]}", flush=True)
+        return {**row, "status": status, "exit": returncode, **({"oom": oom} if oom else {})}
     lines = (output / "metrics.jsonl").read_text().splitlines()
     scaler = {k: v for k, v in json.loads(lines[-1]).items() if k in ("loss_scale", "skipped_steps")} if lines else {}
     return {**row, "status": "ok", **scaler,
@@ -239,11 +255,11 @@ def main(argv=None) -> int:
     info = gpu_memory() if gpu else None
     print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}: "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
-    cases = [BY_NAME[n] for n in names]
+    cases = [EVERY_CASE[n] for n in names]
     layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
     runnable = [c for c in cases if not (tiny and c.gpu_only)]
-    specs = sorted({(c.arch, c.family, layers_of[c.name]) for c in runnable})
-    unbuilt = [(a, n) for a, _, n in specs if not (model_folder(out, a, n, tiny) / "config.json").is_file()]
+    specs = sorted({(c.arch, c.family, layers_of[c.name], c.max_positions) for c in runnable})
+    unbuilt = [(a, n) for a, _, n, p in specs if not (model_folder(out, a, n, tiny, p) / "config.json").is_file()]
     found = host_check.problems(runnable, out, gpu=gpu and not tiny,
                                model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
                                gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None)
@@ -256,7 +272,8 @@ def main(argv=None) -> int:
     if args.ablation:
         expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, variants))
         print(f"ablation: {len(variants)} variant(s), expected about {expected / 60:.0f} min on one H100 "
-              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there)", flush=True)
+              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there; long-context rows predicted)",
+              flush=True)
     ops = None
     if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
         from finetune_kit.launch.cuda_ops import jit_arch_list
@@ -273,35 +290,37 @@ def main(argv=None) -> int:
               f"({time.monotonic() - ops_started:.0f} s after the builds began)", flush=True)
     extra = tuple(shlex.split(args.extra))
 
-    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=(), data=None) -> dict:
-        return {"steps": args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
+    def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=(), data=None, steps=None) -> dict:
+        return {"steps": steps or args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
                 "seq_len": seq_len or args.seq_len or (TINY["seq_len"] if tiny else case.seq_len),
                 "micro_batch": micro_batch or args.micro_batch or (TINY["micro_batch"] if tiny else case.micro_batch),
                 "grad_accum": grad_accum or args.grad_accum or (TINY if tiny else GPU_DEFAULTS)["grad_accum"],
                 "extra": extra + tuple(flags), "data": data}
 
     if args.ablation:
-        runs = [(v.name, BY_NAME[v.case],
-                 settings(BY_NAME[v.case], v.micro_batch, v.grad_accum, v.seq_len, v.flags, v.data)) for v in variants]
+        runs = [(v.name, EVERY_CASE[v.case], v, settings(EVERY_CASE[v.case], v.micro_batch, v.grad_accum,
+                                                           v.seq_len, v.flags, v.data, v.steps)) for v in variants]
     else:
-        runs = [(case.name, case, settings(case)) for case in cases]
+        runs = [(case.name, case, None, settings(case)) for case in cases]
     rows = []
-    for name, case, given in runs:
+    for name, case, variant, given in runs:
         layers = layers_of[case.name]
+        about = {"lever": variant.lever, **({"note": variant.note} if variant.note else {})} if variant else {}
+        named = {**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe}
+        not_run = {**named, "seq_len": given["seq_len"], "status": "not run", **about}
         if tiny and case.gpu_only:
             rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
-            continue
-        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
-            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
-                         "status": "not run",
-                         "reason": f"the {args.time_budget:.0f} s time budget was spent"})
-            continue
-        try:
-            rows.append(run_case(case, root, out, models[(case.arch, case.family, layers)], layers=layers,
-                                 save=args.save, timeout=args.case_timeout, name=name, **given))
-        except Exception as err:  # one broken case must not lose the others' summary
-            rows.append({**({"run": name} if name != case.name else {}), "case": case.name, "recipe": case.recipe,
-                         "status": "failed", "error": repr(err)})
+        elif args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            rows.append({**not_run, "reason": f"the {args.time_budget:.0f} s time budget was spent"})
+        elif variant and (stopped := ablation.probe_stopped(variant, rows)):
+            rows.append({**not_run, "reason": stopped})
+        else:
+            try:
+                rows.append({**run_case(case, root, out, models[(case.arch, case.family, layers, case.max_positions)],
+                                        layers=layers, save=args.save, timeout=args.case_timeout, name=name, **given),
+                             **about})
+            except Exception as err:  # one broken case must not lose the others' summary
+                rows.append({**named, "status": "failed", "error": repr(err), **about})
         if args.ablation:
             rows = ablation.speedups(rows)
         # after every case: what finished is on disk even if the next one takes the machine down
@@ -312,9 +331,16 @@ def main(argv=None) -> int:
             print(f"{r.get('run', r['case'])}: {r['status']}, {r['reason']}")
         if "skipped_steps" in r:
             print(f"{r['case']}: fp16 loss scale {r.get('loss_scale')}, {r['skipped_steps']} overflow step(s) skipped")
-    failed = [r.get("run", r["case"]) for r in rows if r["status"] in ("failed", "timed out")]
+    for r in rows:
+        if r["status"] == "out of memory":
+            print(f"{r.get('run', r['case'])}: out of memory{' (a result of the ablation)' if args.ablation else ''}:"
+                  f" {r['oom']}")
+    # in the ablation running out of memory is a measured result (the probe looks for it); a case must fit
+    failing = ("failed", "timed out") + (() if args.ablation else ("out of memory",))
+    failed = [r.get("run", r["case"]) for r in rows if r["status"] in failing]
     passed = sum(r["status"] == "ok" for r in rows)
-    others = {status: sum(r["status"] == status for r in rows) for status in ("skipped", "not run")}
+    others = {status: sum(r["status"] == status for r in rows)
+              for status in ("skipped", "not run") + (("out of memory",) if args.ablation else ())}
     print(f"\n{passed} of {len(rows)} passed, {len(failed)} failed"
           + "".join(f", {n} {status}" for status, n in others.items() if n) + f"; summary: {out / 'summary.json'}")
     return 1 if failed else 0

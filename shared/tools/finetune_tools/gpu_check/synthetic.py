@@ -5,7 +5,9 @@ A check model is a published architecture (:data:`finetune_kit.models.shapes.KNO
 checkpoint. ``tiny=True`` keeps the attention-head ratio and the rest of the config but shrinks
 the width to 64 and the vocabulary to 1,024, for the CPU version of the check. The tokenizer is the tiny byte-level
 BPE of :mod:`finetune_tools.tiny_models` (its ids fit any vocabulary); the data is random words from
-the shipped sample, long enough that every sequence is truncated to the full length.
+the shipped sample, long enough that every sequence is truncated to the full length. At long
+context (32K-512K tokens) the same instruction conversations fill one sequence each; the
+``long-documents`` kind holds documents a fraction of the sequence long, for packing.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_k
                "max_position_embeddings", "rope_theta", "tie_word_embeddings")
 
 
-def check_config(arch: str, layers: int, tiny: bool = False) -> dict:
-    """The config.json fields of ``arch`` with ``layers`` decoder layers (and a tiny width)."""
+def check_config(arch: str, layers: int, tiny: bool = False, max_positions: int = 0) -> dict:
+    """The config.json fields of ``arch`` with ``layers`` decoder layers (and a tiny width;
+    ``max_positions``: a longer context than the published one, 0 to keep it)."""
     if arch not in KNOWN_MODELS:
         raise ValueError(f"unknown architecture {arch!r}; known: {sorted(KNOWN_MODELS)}")
     known = KNOWN_MODELS[arch]
     config = {k: known[k] for k in CONFIG_KEYS if k in known}
     config["num_hidden_layers"] = layers
+    if max_positions:
+        config["max_position_embeddings"] = max_positions
     if tiny:
         group = known["num_attention_heads"] // known.get("num_key_value_heads", known["num_attention_heads"])
         heads = max(TINY_WIDTH["num_attention_heads"], group)  # at least one KV head: 70B's 64:8 -> 8:1
@@ -43,7 +48,8 @@ def check_shape(arch: str, layers: int, tiny: bool = False) -> ModelShape:
     return replace(shape, name=f"{arch} (truncated to {layers} layers)" if not tiny else shape.name)
 
 
-def build_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = False, seed: int = 0) -> Path:
+def build_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = False, seed: int = 0,
+                max_positions: int = 0) -> Path:
     """Write the check model (random bf16 weights) and a tokenizer to ``out``; reuse it if there."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +61,7 @@ def build_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = 
         return out
     fam = FAMILIES[family]
     tokenizer = train_tokenizer(fam, sample_texts(), vocab_size=512)
-    config = LlamaConfig(**check_config(arch, layers, tiny), rms_norm_eps=fam.rms_norm_eps,
+    config = LlamaConfig(**check_config(arch, layers, tiny, max_positions), rms_norm_eps=fam.rms_norm_eps,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of billions of weights: on the GPU
@@ -76,14 +82,18 @@ def _words(rng: random.Random, count: int, vocabulary: list[str]) -> str:
     return " ".join(rng.choice(vocabulary) for _ in range(count))
 
 
-SHORT_PER_ROW = 8  # short-instructions examples per packed sequence, about
+TOKENS_PER_WORD = 3.75  # measured: the check tokenizer (512-token BPE) over words of the shipped sample
+# examples per packed sequence, about: rows written per sequence a run reads
+EXAMPLES_PER_SEQUENCE = {"short-instructions": 8, "long-documents": 3}
 
 
 def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0) -> Path:
     """``rows`` examples longer than ``seq_len`` tokens: instruction JSONL (conversations of many
     short exchanges, which truncation at turn boundaries cuts to within one exchange of
-    ``seq_len``: nearly no padding) or review CSV (truncation fills every sequence). Or, for
-    packing, ``short-instructions``: one exchange each, of 1/16 to 1/4 of ``seq_len`` tokens."""
+    ``seq_len``: nearly no padding, at any length: one conversation per sequence at 512K tokens too)
+    or review CSV (truncation fills every sequence). Or, for packing, ``short-instructions``: one
+    exchange each, of 1/16 to 1/4 of ``seq_len`` tokens; ``long-documents``: one exchange each whose
+    answer is a document of 1/8 to 1/2 of ``seq_len`` tokens (at TOKENS_PER_WORD), about three a sequence."""
     rng = random.Random(seed)
     vocabulary = sorted({w for text in sample_texts() for w in text.split()})
     path = Path(path)
@@ -102,6 +112,13 @@ def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0)
                 answer = _words(rng, rng.randint(seq_len // 64, seq_len // 16), vocabulary)  # ~2-3 tokens a word
                 f.write(json.dumps({"messages": [{"role": "user", "content": "Continue."},
                                                  {"role": "assistant", "content": answer}]}) + "\n")
+    elif kind == "long-documents":  # for packing at long context: whole documents, several per sequence
+        with path.open("w") as f:
+            for _ in range(rows):
+                tokens = rng.randint(seq_len // 8, seq_len // 2)
+                document = _words(rng, max(1, round(tokens / TOKENS_PER_WORD)), vocabulary)
+                f.write(json.dumps({"messages": [{"role": "user", "content": "Continue."},
+                                                 {"role": "assistant", "content": document}]}) + "\n")
     elif kind == "reviews":
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -109,5 +126,5 @@ def write_data(kind: str, path: Path, *, rows: int, seq_len: int, seed: int = 0)
             for i in range(rows):
                 writer.writerow([1 if i % 2 else 5, _words(rng, 2 * seq_len, vocabulary)])
     else:
-        raise ValueError(f"data kind {kind!r}: instructions, short-instructions or reviews")
+        raise ValueError(f"data kind {kind!r}: instructions, short-instructions, long-documents or reviews")
     return path
