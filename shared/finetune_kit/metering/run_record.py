@@ -73,6 +73,8 @@ class Training(_Strict):
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
     loss_kernel: str = "none"  # what computed it: "chunked" (plain torch) | "liger" (fused, CUDA) | "none"
     offload_activations: bool = False  # tensors saved for backward kept in host memory
+    sequence_parallel: int = 1  # ranks that share each sequence (Ulysses); the global batch counts sequences
+    tiled_mlp: bool = False  # each MLP a slice of the tokens at a time (DeepSpeed TiledMLP)
 
 
 class Measured(_Strict):
@@ -225,7 +227,8 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
         software=software(),
         training=Training(zero_stage=3 if engine == "fsdp2" else ds_config.get("zero_optimization", {}).get("stage", 0),
                           offload=offload_of(ds_config), engine=engine,
-                          global_batch_size=training["micro_batch_size"] * training["grad_accum"] * world,
+                          global_batch_size=training["micro_batch_size"] * training["grad_accum"] * world
+                          // training.get("sequence_parallel", 1),
                           **training),
         measured=Measured(steps_total=len(meter.history), steps_measured=summary["steps_measured"],
                           warmup_steps_excluded=warmup_steps, flops_formula=flop_counter.method,

@@ -42,7 +42,10 @@ KNOWN_MODELS: dict[str, dict] = {
     "llama2-13b": {"_name_or_path": "meta-llama/Llama-2-13b-hf", **_LLAMA2, **_heads(5120, 13824, 40, 40)},
     "llama2-70b": {"_name_or_path": "meta-llama/Llama-2-70b-hf", **_LLAMA2, **_heads(8192, 28672, 80, 64, 8)},
     "llama3-8b": {"_name_or_path": "meta-llama/Meta-Llama-3-8B", **_LLAMA3_8B},
-    "llama3.1-8b": {"_name_or_path": "meta-llama/Llama-3.1-8B", **_LLAMA3_8B, "max_position_embeddings": 131072},
+    # Llama 3.1: 128K positions by the "llama3" rope scaling of the 8K-trained frequencies (its config.json)
+    "llama3.1-8b": {"_name_or_path": "meta-llama/Llama-3.1-8B", **_LLAMA3_8B, "max_position_embeddings": 131072,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     "llama3-70b": {"_name_or_path": "meta-llama/Meta-Llama-3-70B", **_LLAMA3_70B},
     # Llama 3.2 3B (torchtune's speed-lever table): the head tied to the embedding
     "llama3.2-3b": {"_name_or_path": "meta-llama/Llama-3.2-3B", **_LLAMA3_8B, **_heads(3072, 8192, 28, 24, 8),

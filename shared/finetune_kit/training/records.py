@@ -135,7 +135,9 @@ def batch_shape(args) -> dict:
     """An accelerate recipe's batch and per-step levers, as :func:`finish` records them."""
     return {"micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": bool(args.gradient_checkpointing), "recompute_every": args.recompute_every,
-            "compiled": bool(getattr(args, "compile", False))}
+            "compiled": bool(getattr(args, "compile", False)),
+            **({"sequence_parallel": args.sequence_parallel} if getattr(args, "sequence_parallel", 1) > 1 else {}),
+            **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {})}
 
 
 def example_ids(dataset) -> list[int]:

@@ -193,3 +193,14 @@ def test_speed_ups_are_against_the_first_row_of_the_same_sequence_length():
             {"case": LONG, "seq_len": 128 * K, "tokens_per_s_per_device": 1000.0},
             {"case": LONG, "seq_len": 128 * K, "tokens_per_s_per_device": 900.0}]
     assert [r["speedup"] for r in ablation.speedups(rows)] == [1.0, 1.0, 0.9]
+
+
+def test_the_long_context_model_has_llama_3_1s_rope_scaling():
+    """The check model of llama3.1-8b rotates positions as Llama 3.1 does (128K from 8K-trained frequencies)."""
+    from transformers import LlamaConfig
+
+    from finetune_tools.gpu_check.synthetic import check_config
+
+    rope = LlamaConfig(**check_config("llama3.1-8b", 2, tiny=True, max_positions=524288)).rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    assert rope["original_max_position_embeddings"] == 8192

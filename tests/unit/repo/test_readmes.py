@@ -24,11 +24,15 @@ def test_committed_readmes_are_current():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_readme_has_both_generated_blocks(recipe):
+    """Memory, speed and DeepSpeed knobs in every recipe; the long-context table where memory_plan.json has
+    long-context setups (the 8B recipe)."""
     text = (recipe / "README.md").read_text()
     assert (recipe / "memory_plan.json").is_file()
     assert readmes.begin("memory-plan", "memory_plan.json") in text and readmes.end("memory-plan") in text
     found = [m["name"] for m in readmes.BEGIN_RE.finditer(text)]
-    assert sorted(found) == ["deepspeed-knobs", "memory-plan", "speed-plan"]
+    long_context = ["long-context-plan"] if "long_context" in json.loads((recipe / "memory_plan.json").read_text()) \
+        else []
+    assert sorted(found) == sorted(["deepspeed-knobs", "memory-plan", "speed-plan", *long_context])
 
 
 def test_every_note_explains_a_key_some_recipe_config_has():

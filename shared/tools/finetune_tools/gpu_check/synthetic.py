@@ -22,7 +22,7 @@ from finetune_kit.models.shapes import KNOWN_MODELS, ModelShape
 
 TINY_WIDTH = {"hidden_size": 64, "intermediate_size": 224, "num_attention_heads": 4, "vocab_size": 1024}
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-               "max_position_embeddings", "rope_theta", "tie_word_embeddings")
+               "max_position_embeddings", "rope_theta", "rope_scaling", "tie_word_embeddings")
 
 
 def check_config(arch: str, layers: int, tiny: bool = False, max_positions: int = 0) -> dict:

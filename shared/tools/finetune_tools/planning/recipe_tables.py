@@ -11,7 +11,8 @@ from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2
 from finetune_tools.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
-              "gradient_checkpointing", "recompute_every", "loss_chunks", "offload_activations")
+              "gradient_checkpointing", "recompute_every", "loss_chunks", "offload_activations", "sequence_parallel",
+              "tiled_mlp", "kv_repeated")
 
 
 def gib(value: int) -> str:
@@ -81,6 +82,30 @@ def recipe_table(recipe_dir: Path) -> str:
             "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
     header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
               "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
+    return note + "\n\n" + markdown_table(header, rows)
+
+
+def long_context_table(recipe_dir: Path) -> str:
+    """The markdown memory table of the recipe's ``long_context`` setups (memory_plan.json): one sequence per
+    micro-batch, the long-context levers of each row named as the script's flags."""
+    shape, setups = recipe_setups(recipe_dir, "long_context")
+    rows = []
+    for entry, setup in setups:
+        p = plan(shape, setup)
+        kinds = p.gpu_by_kind()
+        flags = [f"--sequence-parallel {setup.sequence_parallel}" if setup.sequence_parallel > 1 else "",
+                 "--tiled-mlp" if setup.tiled_mlp else "", "--offload-activations" if setup.offload_activations else "",
+                 f"--loss-chunks {setup.loss_chunks}"]
+        verdict = f"fits, {p.gpu_headroom_GiB:.1f} GiB free" if p.fits else "does not fit"
+        rows.append([entry["label"], f"`{entry['config']}`", f"{setup.seq_len:,}", " ".join(f for f in flags if f),
+                     gib(kinds["activations"]), f"**{gib(p.gpu_bytes)}** of {setup.gpu_memory_GiB:g}",
+                     f"{gib(p.host_bytes)} of {setup.host_memory_GiB:g}", verdict])
+    note = (f"Predicted by the memory planner (`make plan RECIPE={recipe_dir.name} MODEL=llama3.1-8b GPU=h100 GPUS=8 "
+            "SP=8 SEQ=max` searches the longest that fits), micro-batch 1, every layer checkpointed, the attention "
+            "of FlashAttention's varlen kernel (packed rows). GiB per GPU and host RAM per node as in the table "
+            "above. Not measured on a GPU yet.")
+    header = ["setup", "config", "tokens per sequence", "flags", "activations", "total / GPU", "host RAM / node",
+              "verdict"]
     return note + "\n\n" + markdown_table(header, rows)
 
 

@@ -13,6 +13,9 @@ Kinds:
 ``memory-plan``
     the planner's memory per GPU and per node for each setup of ``memory_plan.json``
     (:func:`finetune_tools.planning.cli.recipe_table`).
+``long-context-plan``
+    the same for the ``long_context`` setups of ``memory_plan.json``: long sequences with the levers
+    each row names (:func:`finetune_tools.planning.recipe_tables.long_context_table`).
 ``deepspeed-knobs``
     every key of the recipe's main DeepSpeed JSON, named in the marker (``edit configs/zero3.json or
     recipes/deepspeed-knobs.json``), with its value and its effect from ``recipes/deepspeed-knobs.json``;
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_tools.planning.recipe_tables import recipe_table, speed_table
+from finetune_tools.planning.recipe_tables import long_context_table, recipe_table, speed_table
 from finetune_tools.tables import markdown_table
 
 NOTES = "recipes/deepspeed-knobs.json"
@@ -167,8 +170,17 @@ def speed_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
     return speed_table(recipe_dir, root / "results/speed-calibration.json")
 
 
+def long_context_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
+    if source != "memory_plan.json":
+        raise UserInputError(f"{recipe_dir / 'README.md'}: the long-context-plan block is generated from "
+                             f"memory_plan.json but its marker says '{source}'; use\n"
+                             f"{begin('long-context-plan', 'memory_plan.json')}")
+    return long_context_table(recipe_dir)
+
+
 BLOCKS: dict[str, Callable[[Path, str, Path], str]] = {
     "memory-plan": memory_plan_block,
+    "long-context-plan": long_context_plan_block,
     "speed-plan": speed_plan_block,
     "deepspeed-knobs": deepspeed_knobs_block,
 }
