@@ -130,12 +130,18 @@ def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: i
         time.sleep(0.1)
     import psutil
 
-    family = [c for p in procs if p.poll() is None for c in psutil.Process(p.pid).children(recursive=True)]
+    def descendants(pid: int) -> list:  # a process may end while it is listed or signalled (a shell's helper)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(pid).children(recursive=True)
+        return []
+
+    family = [c for p in procs if p.poll() is None for c in descendants(p.pid)]
     sent = time.monotonic()
     for n in signalled:
         if procs[n].poll() is None and ranks_only:
-            for child in psutil.Process(procs[n].pid).children(recursive=True):
-                child.send_signal(sig)
+            for child in descendants(procs[n].pid):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.send_signal(sig)
         elif procs[n].poll() is None:
             os.killpg(procs[n].pid, sig)
     # a launcher may go before its ranks (DeepSpeed's runner dies at once): wait for whole groups
