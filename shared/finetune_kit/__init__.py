@@ -27,6 +27,12 @@ __version__ = "0.1.0"
 # Face hub (the `kernels` package) and warns in every process when that package is missing. The
 # recipes download nothing at run time and bitsandbytes' own CPU kernel runs instead: not news.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# torchao (imported by transformers wherever it is installed) warns in every process that its mxfp8 and
+# CUTLASS extensions do not load on a machine without their CUDA kernels, and registers two enums with torch's
+# pytree in a way torch calls deprecated: neither touches the float8 training this package uses
+# (torch._scaled_mm), and neither is the user's to act on.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 # What a recipe imports from here: its parts' packages (``data``, ``models``, ``training``) and ``run_main``.
 _EXPORTS = {

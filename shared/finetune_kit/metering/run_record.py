@@ -75,6 +75,7 @@ class Training(_Strict):
     offload_activations: bool = False  # tensors saved for backward kept in host memory
     sequence_parallel: int = 1  # ranks that share each sequence (Ulysses); the global batch counts sequences
     tiled_mlp: bool = False  # each MLP a slice of the tokens at a time (DeepSpeed TiledMLP)
+    fp8: str = "none"  # the linear layers' matmuls in float8 (torchao): "tensorwise" | "rowwise" scales
 
 
 class Measured(_Strict):

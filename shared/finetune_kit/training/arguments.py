@@ -86,7 +86,8 @@ class LongContext:
 
 @dataclass
 class LoopArguments:
-    """The accelerate recipes' own training loop: batch, schedule, activation recomputation, checkpoints, logs."""
+    """The accelerate recipes' own training loop: batch, schedule, activation recomputation, compilation and fp8,
+    checkpoints, logs."""
 
     output: str = flag(None, "run folder (checkpoints, model, metrics, records)")
     micro_batch_size: int = flag(4, "sequences per GPU per forward")
@@ -102,6 +103,9 @@ class LoopArguments:
                                     "activations: less recompute, more memory)")
     compile: bool = flag(False, "torch.compile each decoder layer (FSDP2 launches): fused kernels, for a compilation "
                                 "before the first step (models.compiled_layers)")
+    fp8: str = flag("none", "fp8 matmuls in the decoder's linear layers (torchao float8, scales per tensor or per "
+                            "row; the LM head stays bf16): up to 2x matmul rate on compute capability 8.9+, most of "
+                            "it with --compile under FSDP2 (models.fp8)", choices=("none", "tensorwise", "rowwise"))
     save_every: int = flag(200, "save a checkpoint every N optimizer steps and at the last (0: none; the model is "
                                 "still saved)")
     keep_checkpoints: int = flag(2, "newest N checkpoints kept (0: all)")

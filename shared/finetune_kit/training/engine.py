@@ -7,6 +7,7 @@ import math
 
 from finetune_kit.launch import config_checks, fsdp
 from finetune_kit.metering import trackers
+from finetune_kit.models import fp8
 
 
 def start(checked, args):
@@ -22,6 +23,7 @@ def start(checked, args):
         # before the step's last micro-batch, so the boundary is counted, not taken from the loader
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        **fp8.accelerator_kwargs(getattr(args, "fp8", "none")),  # --fp8: torchao float8 linears, converted in prepare
         **trackers.accelerator_kwargs(args.report_to, checked.output))
     set_seed(args.seed)
     trackers.start(acc, checked.recipe, checked.script_args)

@@ -22,6 +22,7 @@ from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError, DataError
 from finetune_kit.launch import config_checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
+from finetune_kit.models import fp8
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import memory
@@ -103,6 +104,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                             max_seq_len=args.max_seq_len, attention=getattr(args, "attention", "auto"),
                             pack=getattr(args, "pack", False), engine=fsdp.ENGINE if fsdp_launch else "deepspeed",
                             loss_chunks=getattr(args, "loss_chunks", 0))
+    fp8.check(getattr(args, "fp8", "none"), method=method, device_capability=_device_capability(),
+              cpu_ram_efficient_loading=bool(fsdp_launch and fsdp_launch.cpu_ram_efficient_loading))
     if getattr(args, "tiled_mlp", False) and fsdp_launch is not None:
         raise ConfigError("--tiled-mlp under FSDP2: DeepSpeed's TiledMLP holds each slice's gradients back for ZeRO, "
                           "which FSDP2's reduce-scatter would take once per slice. Launch with a DeepSpeed config "
@@ -299,3 +302,10 @@ def architecture(config, shape: ModelShape | None = None) -> str:
     s = shape or ModelShape.from_config(config)
     return (f"{getattr(config, 'model_type', 'model')}: hidden {s.hidden_size}, {s.num_hidden_layers} layers, "
             f"{s.num_attention_heads}/{s.num_key_value_heads} heads, ffn {s.intermediate_size}, vocab {s.vocab_size}")
+
+
+def _device_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None

@@ -37,6 +37,11 @@ def step_meter(accelerator, checked, model, args, total_steps: int, start):
     from finetune_kit.metering.flops import FlopCounter
     from finetune_kit.metering.step_meter import StepMeter
 
+    if getattr(args, "fp8", "none") != "none":  # accelerate converted the layers in prepare: say how many
+        from finetune_kit.models.fp8 import converted
+
+        accelerator.print(f"fp8 ({args.fp8} scaling): {converted(model)} linear layers compute in float8; the LM head "
+                          "and any layer not 16-aligned in bf16")
     trainable = None if checked.method == "full" else trainable_parameters(model)
     flops = FlopCounter(checked.shape, num_labels=checked.num_labels, trainable=trainable,
                         head_trainable=trainable is not None and checked.num_labels is not None)
@@ -137,7 +142,8 @@ def batch_shape(args) -> dict:
             "gradient_checkpointing": bool(args.gradient_checkpointing), "recompute_every": args.recompute_every,
             "compiled": bool(getattr(args, "compile", False)),
             **({"sequence_parallel": args.sequence_parallel} if getattr(args, "sequence_parallel", 1) > 1 else {}),
-            **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {})}
+            **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {}),
+            **({"fp8": args.fp8} if getattr(args, "fp8", "none") != "none" else {})}
 
 
 def example_ids(dataset) -> list[int]:
