@@ -7,6 +7,7 @@
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
         --tokens 2e8 --price 2.5 --calibration results/speed-calibration.json   # fit, speed, time and cost
+    python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --fp8 tensorwise  # fp8 over bf16
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --model llama3.1-8b --gpu h100 \
         --gpus-per-node 8 --sequence-parallel 8 --seq-len max   # the longest context, ALST's levers on
 
@@ -47,7 +48,17 @@ from finetune_kit.planning.memory import (
 from finetune_tools.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
 from finetune_tools.planning.long_context import alst_levers, longest_context
 from finetune_tools.planning.recipe_tables import gib, recipe_plans
-from finetune_tools.planning.speed import Cluster, Job, calibrated, job_for, predict
+from finetune_tools.planning.speed import (
+    FP8_PUBLISHED,
+    Cluster,
+    Job,
+    calibrated,
+    check_fp8,
+    fp8_share,
+    job_for,
+    predict,
+    predict_fp8,
+)
 from finetune_tools.tables import text_table
 
 
@@ -131,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--qlora", action="store_true", help="frozen nf4 base, double quantisation (rank 8 by default)")
     run.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
     run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
+    run.add_argument("--fp8", choices=("none", *FP8_PUBLISHED), default="none",
+                     help="with --gpu: the predicted speed of torchao's float8 linear layers (the recipes' --fp8) "
+                          "beside bf16's")
     cost = p.add_argument_group("time and cost (with --gpu)")
     cost.add_argument("--tokens", type=float, help="tokens to train on (an epoch of your data)")
     cost.add_argument("--data", help="your data file: its tokens counted with --model's tokenizer (a model folder)")
@@ -209,8 +223,38 @@ def render_speed(p: Plan, args) -> str:
                         if args.price else "")])
     rows.append(["cheapest change that helps", cheapest_change(job, cluster, efficiency, pred)])
     where = f"{cluster.gpus} x {cluster.gpu.name}" + (f", {network.description}" if network else "")
+    fp8 = f"\n\n{render_fp8(job, cluster, efficiency, args.fp8)}" if args.fp8 != "none" else ""
     return (f"speed on {where}, accumulation {grad_accum} (predicted; constants: {source}; the held-out error "
-            f"of the model is in results/README.md)\n" + text_table(["", "predicted"], rows))
+            f"of the model is in results/README.md)\n" + text_table(["", "predicted"], rows) + fp8)
+
+
+def render_fp8(job: Job, cluster: Cluster, efficiency, recipe: str) -> str:
+    """fp8 (torchao float8, ``recipe`` scaling) against bf16 for the job's engine, uncompiled and (FSDP2 only, as
+    the recipes allow) compiled; a ZeRO-3 job also under FSDP2. MFU against the bf16 peak, and the fp8 peak's share."""
+    check_fp8(job, cluster.gpu, recipe)
+    gpu, gpus = cluster.gpu, cluster.gpus
+    variants = [(job, False)]
+    if job.engine == "deepspeed" and job.stage == 3 and not job.offload_optimizer:
+        variants.append((replace(job, engine="fsdp2"), False))
+    if job.engine == "fsdp2" or len(variants) > 1:
+        variants.append((replace(job, engine="fsdp2"), True))
+    rows = []
+    for j, compiled in variants:
+        bf16 = predict(j, cluster, efficiency).tokens_per_s(gpus)
+        fast = predict_fp8(j, cluster, efficiency, recipe, compiled).tokens_per_s(gpus)
+        tflops = fast * j.flops_per_token() / 1e12
+        engine = "FSDP2" if j.engine == "fsdp2" else f"ZeRO-{j.stage}" if j.engine == "deepspeed" else "one device"
+        rows.append([f"{engine}, {'torch.compile' if compiled else 'uncompiled'}", f"{bf16:,.0f}", f"{fast:,.0f}",
+                     f"{fast / bf16:.2f}x" + (" (slower)" if fast < bf16 else ""),
+                     f"{100 * bf16 * j.flops_per_token() / 1e12 / gpu.peak_bf16_tflops:.1f}",
+                     f"{100 * tflops / gpu.peak_bf16_tflops:.1f}", f"{100 * tflops / gpu.peak_fp8_tflops:.1f}"])
+    head = (f"fp8 over bf16 (predicted; torchao float8 linear layers, {recipe} scaling; --compile runs under FSDP2 "
+            f"only)\nfp8 matmuls carry {100 * fp8_share(job):.1f}% of the model FLOPs (the decoder's linear layers; "
+            "the LM head and attention stay bf16); the casts' cost is fitted on torchao's published 8B speed-up "
+            "when compiled and assumed when not (finetune_tools/planning/speed.py)\n")
+    return head + text_table(["engine", "bf16 tokens/s per GPU", "fp8 tokens/s per GPU", "fp8 over bf16",
+                              f"bf16 MFU % ({gpu.peak_bf16_tflops:,.0f} TFLOP/s)", "fp8 MFU % (same bf16 peak)",
+                              f"fp8 % of the fp8 peak ({gpu.peak_fp8_tflops:,.0f} TFLOP/s)"], rows)
 
 
 def cheapest_change(job: Job, cluster: Cluster, efficiency, pred) -> str:
@@ -255,6 +299,8 @@ def render_longest(model, setup: Setup, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fp8 != "none" and not args.gpu:
+        raise UserInputError(f"--fp8 {args.fp8} predicts a speed: it needs --gpu ({', '.join(GPUS)}).")
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
         entry, first = recipe_plans(args.recipe)[0]
         s = replace(first.setup, nodes=args.nodes, gpus_per_node=args.gpus_per_node,

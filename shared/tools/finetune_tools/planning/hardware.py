@@ -1,6 +1,6 @@
 """Named hardware profiles for the speed model: GPUs and the networks between nodes.
 
-Every figure is a datasheet number (dense bf16 tensor-core peak, link rates); what a collective
+Every figure is a datasheet number (dense bf16 and fp8 tensor-core peaks, link rates); what a collective
 achieves of a link is one stated fraction, :data:`LINK_EFFICIENCY`, the same for every link. A
 profile is a plain dataclass: ``dataclasses.replace(GPUS["h100"], intra_node_GBps=300)`` overrides
 a field; the planner's ``--peak-tflops``, ``--intra-node-gbps``, ``--host-link-gbps`` and
@@ -23,6 +23,7 @@ class Gpu:
     memory_GiB: float
     intra_node_GBps: float  # one-way link rate per GPU to the others of its node (NVLink, or PCIe)
     host_link_GBps: float  # one-way PCIe rate per GPU to host memory (CPU offload)
+    peak_fp8_tflops: float | None = None  # dense fp8 (e4m3) tensor-core peak; None: no fp8 tensor cores (A100)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,10 @@ class Network:
 GPUS = {
     "a100-40": Gpu("A100 SXM 40 GB", 312.0, 40, 300.0, 32.0),  # NVLink3 600 GB/s both ways; PCIe 4.0 x16
     "a100-80": Gpu("A100 SXM 80 GB", 312.0, 80, 300.0, 32.0),
-    "h100": Gpu("H100 SXM 80 GB", 989.0, 80, 450.0, 64.0),  # NVLink4 900 GB/s both ways; PCIe 5.0 x16
-    "h100-pcie": Gpu("H100 PCIe 80 GB", 756.0, 80, 64.0, 64.0),  # GPUs talk over PCIe 5.0
-    "h200": Gpu("H200 SXM 141 GB", 989.0, 141, 450.0, 64.0),
+    # fp8 peaks: half the datasheet's "with sparsity" figures (H100/H200 SXM 3,958, H100 PCIe 3,026 TFLOP/s)
+    "h100": Gpu("H100 SXM 80 GB", 989.0, 80, 450.0, 64.0, 1979.0),  # NVLink4 900 GB/s both ways; PCIe 5.0 x16
+    "h100-pcie": Gpu("H100 PCIe 80 GB", 756.0, 80, 64.0, 64.0, 1513.0),  # GPUs talk over PCIe 5.0
+    "h200": Gpu("H200 SXM 141 GB", 989.0, 141, 450.0, 64.0, 1979.0),
 }
 
 NETWORKS = {
