@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import pytest
 
@@ -15,6 +14,7 @@ from finetune_tools.gpu_check import ablation, runner
 from finetune_tools.gpu_check.cases import EVERY_CASE, LONG, LONG_CASES, LONG_EXTENDED, positions, recipe_flags
 from finetune_tools.gpu_check.synthetic import build_model, check_config, write_data
 from tests.harness import REPO, load_script
+from tests.unit.gpu_check.documented import assert_documented_total
 
 K = 1024
 LONG_ROWS = ablation.LONG_VARIANTS
@@ -106,12 +106,7 @@ def test_long_rows_fit_the_commands_and_take_longer_the_longer_the_sequence():
 
 def test_the_documented_predicted_total_is_the_codes():
     """docs/gpu.md states the long-context rows' predicted total; it must not drift from ablation.py."""
-    total = sum(map(ablation.expected_seconds, LONG_ROWS))
-    groups = ablation.batches(LONG_ROWS, COMMAND_S)
-    text = (REPO / "docs" / "gpu.md").read_text()
-    stated = re.search(r"(\d+) long-context rows take about (\d+) minutes.*?in (\d+) commands", text, re.S)
-    assert stated, "docs/gpu.md: the long-context paragraph's predicted total is missing"
-    assert tuple(map(int, stated.groups())) == (len(LONG_ROWS), round(total / 60), len(groups))
+    assert_documented_total(LONG_ROWS, "long-context")
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,17 @@ The long-context rows (:data:`LONG_VARIANTS`) run the 8B shape at 32K-512K token
 sequence-parallel size 1: where the tiled MLP and checkpoints in host memory pay off, and the longest
 sequence one GPU holds (a probe that stops at its first out-of-memory row, recorded as a result).
 Their times are predicted (:func:`long_context_seconds`), not measured.
+
+The fp8 rows (:data:`FP8_VARIANTS`) run the 8B shape at the sizes of the FSDP2 rows with torchao's float8
+linear layers (``--fp8 tensorwise`` or ``rowwise``), each beside a bf16 twin of the same engine and compile
+setting that is its speed-up's baseline (:attr:`Variant.baseline`); on a GPU below compute capability 8.9
+they are recorded as not applicable (``host_check.not_applicable``), not run. Their times are predicted:
+their twins' measured figures, plus the compilation where compiled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune_tools.gpu_check import cases
 from finetune_tools.gpu_check.synthetic import check_shape
@@ -33,6 +39,7 @@ class Variant:
     steps: int | None = None  # optimizer steps (None: the check's own, 8)
     probe: str = ""  # rows of one probe, shortest first: after one runs out of GPU memory the longer ones are not run
     note: str = ""  # what a reader of the row must know (how it relates to the full model)
+    baseline: str = ""  # the row its speed-up is against ("": the first finished row of its case and length)
 
 
 NO_CKPT = ("--no-gradient-checkpointing",)
@@ -78,6 +85,37 @@ VARIANTS = [
     Variant("13b-mb2-ga4-wholeloss", "llama2-13b-zero2-bf16", 2, 4, flags=("--loss_chunks", "0"),
             lever="the loss over the whole micro-batch's logits (no chunks), accumulation 4"),
 ]
+
+# ---- fp8 matmuls (torchao float8 linears): the 8B shape at micro-batch 2, accumulation 4, 4,096 tokens ----
+# Each block is a bf16 row and its fp8 twins, one engine and compile setting: fp8's gain depends on
+# torch.compile fusing the casts, so a compiled fp8 row is compared with compiled bf16, not with eager.
+# The bf16 rows repeat rows above on purpose: a speed-up is read within one command (one machine), and
+# batches() keeps each block in one command.
+def fp8_block(prefix: str, engine: str, bf16_case: str, fp8_case: str, scalings: tuple[str, ...], *,
+              compiled: bool) -> list[Variant]:
+    """``{prefix}-bf16`` (its own baseline) and ``{prefix}-fp8-<scaling>`` for each scaling against it."""
+    flags = ("--compile",) if compiled else ()
+
+    def lever(case: str, matmuls: str) -> str:
+        launcher = cases.EVERY_CASE[case].launcher
+        config = launcher[launcher.index("--config_file") + 1]
+        return (f"{engine} ({config}){', decoder layers through torch.compile' if compiled else ''}, {matmuls}, "
+                "accumulation 4")
+
+    bf16 = Variant(f"{prefix}-bf16", bf16_case, 2, 4, flags=flags, baseline=f"{prefix}-bf16",
+                   lever=lever(bf16_case, "bf16 matmuls (the baseline of its fp8 rows)"))
+    return [bf16, *(replace(bf16, name=f"{prefix}-fp8-{scaling}", case=fp8_case, flags=(*flags, "--fp8", scaling),
+                            lever=lever(fp8_case, f"fp8 matmuls with {scaling} scales"))
+                    for scaling in scalings)]
+
+
+BOTH_SCALINGS = ("tensorwise", "rowwise")
+FP8_VARIANTS = [
+    *fp8_block("8b-zero3", "ZeRO-3", "llama3-8b-zero3", "llama3-8b-zero3", ("tensorwise",), compiled=False),
+    *fp8_block("8b-fsdp2", "FSDP2", "llama3-8b-zero3-fsdp2", cases.FP8_FSDP2, BOTH_SCALINGS, compiled=False),
+    *fp8_block("8b-fsdp2-compile", "FSDP2", "llama3-8b-zero3-fsdp2", cases.FP8_FSDP2, BOTH_SCALINGS, compiled=True),
+]
+VARIANTS += FP8_VARIANTS
 
 # ---- long context on one GPU: the 8B shape, micro-batch 1, sequence-parallel size 1 ----
 K = 1024
@@ -130,6 +168,8 @@ SECONDS_ON_H100 = {"llama3-8b-zero3": 57, "llama3-8b-zero3-fsdp2": 63, "llama2-1
                    "llama3-70b-qlora": 55, "llama3-8b-zero3-offload": 122}
 COMPILE_SECONDS = 60  # predicted, not measured: Inductor's compilation of one decoder layer, forward and backward
 SETUP_SECONDS = 150  # install, the model builds and the op compilation, before the first variant
+# cases not measured yet, each timed as the measured case it differs from only in how the weights load (predicted)
+TIMED_LIKE = {cases.FP8_FSDP2: "llama3-8b-zero3-fsdp2"}
 
 
 # What a long-context row's time is predicted from (one H100, none of it measured at long context yet):
@@ -173,23 +213,39 @@ def long_context_seconds(variant: Variant) -> float:
 def expected_seconds(variant: Variant) -> float:
     """How long ``variant`` should take on one H100, from the measured per-case times (scaled by
     its accumulation against the measured 4), plus the compilation when it compiles; a long-context
-    row's from :func:`long_context_seconds` (predicted)."""
+    row's from :func:`long_context_seconds` (predicted). An fp8 row is predicted to take its bf16
+    twin's time: converting the linear layers is a module swap, and its steps are a few seconds of the
+    total either way."""
     if variant.case in {c.name for c in cases.LONG_CASES}:
         return long_context_seconds(variant)
-    per_case = SECONDS_ON_H100[variant.case]
+    per_case = SECONDS_ON_H100[TIMED_LIKE.get(variant.case, variant.case)]
     return per_case * max(1.0, variant.grad_accum / 4) + ("--compile" in variant.flags) * COMPILE_SECONDS
+
+
+def units(variants: list[Variant]) -> list[list[Variant]]:
+    """``variants`` in order, in runs that must share a command: a row joins the run before it when
+    its baseline is there (a speed-up compares two rows of one machine)."""
+    out: list[list[Variant]] = []
+    for variant in variants:
+        if out and variant.baseline and variant.baseline in {v.name for v in out[-1]}:
+            out[-1].append(variant)
+        else:
+            out.append([variant])
+    return out
 
 
 def batches(variants: list[Variant], budget_s: float) -> list[list[Variant]]:
     """``variants`` in order, split into groups whose expected time (with the set-up each group
-    repeats on a fresh machine) fits ``budget_s``: one ``--variants`` list per GPU command."""
+    repeats on a fresh machine) fits ``budget_s``: one ``--variants`` list per GPU command. A row
+    stays in its baseline's group (:func:`units`); a run longer than the budget gets a group alone."""
     groups, spent = [[]], SETUP_SECONDS
-    for variant in variants:
-        if groups[-1] and spent + expected_seconds(variant) > budget_s:
+    for unit in units(variants):
+        seconds = sum(map(expected_seconds, unit))
+        if groups[-1] and spent + seconds > budget_s:
             groups.append([])
             spent = SETUP_SECONDS
-        groups[-1].append(variant)
-        spent += expected_seconds(variant)
+        groups[-1] += unit
+        spent += seconds
     return groups
 
 
@@ -204,13 +260,22 @@ def probe_stopped(variant: Variant, rows: list[dict]) -> str | None:
 
 
 def speedups(rows: list[dict]) -> list[dict]:
-    """Each row with ``speedup`` against the first finished row of the same case and sequence length
-    (its baseline: tokens/s at 32K and at 128K are not one lever apart)."""
-    base: dict[tuple, float] = {}
+    """Each row with ``speedup``, its tokens/s over its baseline's, and ``baseline``, that row's name:
+    the row its variant names (:attr:`Variant.baseline`, wherever it is among ``rows``), or else the
+    first finished row of the same case and sequence length (tokens/s at 32K and at 128K are not one
+    lever apart). No finished baseline: ``speedup`` None."""
+    finished = {row["run"]: row["tokens_per_s_per_device"] for row in rows
+                if row.get("run") and row.get("tokens_per_s_per_device")}
+    first: dict[tuple, tuple[str, float]] = {}
     out = []
     for row in rows:
         tps, key = row.get("tokens_per_s_per_device"), (row["case"], row.get("seq_len"))
-        if tps and key not in base:
-            base[key] = tps
-        out.append({**row, "speedup": tps / base[key] if tps and key in base else None})
+        named = BY_NAME.get(row.get("run", "")) if row.get("run") else None
+        if named and named.baseline:
+            base = (named.baseline, finished[named.baseline]) if named.baseline in finished else None
+        else:
+            if tps and key not in first:
+                first[key] = (row.get("run", row["case"]), tps)
+            base = first.get(key)
+        out.append({**row, "speedup": tps / base[1] if tps and base else None, "baseline": base and base[0]})
     return out

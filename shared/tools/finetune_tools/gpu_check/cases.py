@@ -10,6 +10,9 @@ only (not run by the plain check): Llama 3.1 8B's shape, the optimizer in CPU me
 (``configs/zero3-offload.yaml``, the one-GPU base of ``configs/zero3-ulysses.yaml``), micro-batch 1,
 sequence-parallel size 1. Two decoder layers: a long sequence's GPU working set is one layer's (the
 checkpoints of the others can live in host memory), while its time grows with every layer.
+
+:data:`FP8_CASES` are the 8B recipe under FSDP2 with ``configs/fsdp2-fp8.yaml``, the launch config its
+``--fp8`` needs, for the ablation's fp8 rows only: the bf16 rows beside them use ``configs/fsdp2.yaml``.
 """
 
 from __future__ import annotations
@@ -67,8 +70,15 @@ LONG_CASES = [
     Case(LONG_EXTENDED, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=2, seq_len=512 * 1024,
          micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1"), max_positions=512 * 1024),
 ]
+FP8_FSDP2 = "llama3-8b-zero3-fsdp2-fp8"
+FP8_CASES = [
+    # configs/fsdp2.yaml but every rank loads the weights: accelerate's torchao path converts the linear
+    # layers of the whole model before sharding it (the same load on one GPU; no effect on the step)
+    Case(FP8_FSDP2, "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8, seq_len=4096,
+         micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/fsdp2-fp8.yaml")),
+]
 BY_NAME = {case.name: case for case in CASES}  # what --cases takes
-EVERY_CASE = {case.name: case for case in CASES + LONG_CASES}  # what an ablation row may name
+EVERY_CASE = {case.name: case for case in CASES + LONG_CASES + FP8_CASES}  # what an ablation row may name
 
 
 def positions(case: Case) -> int:

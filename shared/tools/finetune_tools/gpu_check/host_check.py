@@ -11,6 +11,10 @@ launcher after the first case. :func:`problems` looks at everything the cases wi
   release, the CUDA headers, ninja, a C++ compiler and Python's headers; bitsandbytes' CUDA library
   for the QLoRA case; and no other process holding GPU memory;
 - free disk for the models not built yet.
+
+What one row needs of the GPU itself is no problem of the host: a row with ``--fp8`` on a GPU below
+compute capability 8.9 (no fp8 tensor cores; the recipe would refuse it) is recorded as not applicable
+(:func:`not_applicable`) and the other rows run.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import importlib
 import importlib.metadata as metadata
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.models.fp8 import MIN_CAPABILITY
 from finetune_tools.gpu_check.cases import Case
 
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "pydantic", "safetensors")
@@ -55,8 +62,10 @@ def requirement_problems(names: Iterable[str]) -> list[str]:
     return found
 
 
-def library_problems(cases: list[Case]) -> list[str]:
-    names = list(LIBRARIES) + (["bitsandbytes"] if any(c.method == "qlora" for c in cases) else [])
+def library_problems(cases: list[Case], *, fp8: bool = False) -> list[str]:
+    """``fp8``: some run computes in fp8, which needs torchao."""
+    names = (list(LIBRARIES) + (["bitsandbytes"] if any(c.method == "qlora" for c in cases) else [])
+             + (["torchao"] if fp8 else []))
     found = []
     for name in names:
         try:
@@ -110,11 +119,11 @@ def toolchain_problems(environ=os.environ) -> list[str]:
 
 
 def problems(cases: list[Case], out: Path, *, gpu: bool, model_bytes: int, gpu_used_GiB: float | None = None,
-             environ=os.environ) -> list[str]:
+             fp8: bool = False, environ=os.environ) -> list[str]:
     """Every reason the check would fail on this host, each with its fix; empty when ready.
 
     ``model_bytes``: what the models not yet built will take on disk; ``gpu_used_GiB``: GPU memory
-    in use before the check starts (NVML), None when unknown.
+    in use before the check starts (NVML), None when unknown; ``fp8``: a row that will run has ``--fp8``.
     """
     launchers: dict[str, str] = {}
     for case in cases:
@@ -122,7 +131,7 @@ def problems(cases: list[Case], out: Path, *, gpu: bool, model_bytes: int, gpu_u
             launchers.setdefault(case.launcher[0], case.name)  # the first case that needs it
     found = [f"the launcher {name!r} is not on PATH (case {first} and any after it)"
              for name, first in launchers.items() if shutil.which(name) is None]
-    found += library_problems(cases)
+    found += library_problems(cases, fp8=fp8)
     if gpu:
         found += toolchain_problems(environ)
         if any(c.method == "qlora" for c in cases):
@@ -143,3 +152,46 @@ def problems(cases: list[Case], out: Path, *, gpu: bool, model_bytes: int, gpu_u
         found.append(f"{free / 2**30:.1f} GiB free under {folder}, the models need {model_bytes / 2**30:.1f} GiB: "
                      "free disk or pass --out on a larger disk")
     return found
+
+
+def fp8_choice(flags: Sequence[str]) -> str:
+    """The ``--fp8`` value among recipe ``flags`` (the last one given, as argparse reads it); "none" without one."""
+    choice = "none"
+    for i, flag in enumerate(flags):
+        if flag == "--fp8" and i + 1 < len(flags):
+            choice = flags[i + 1]
+        elif flag.startswith("--fp8="):
+            choice = flag.split("=", 1)[1]
+    return choice
+
+
+def gpu_capability(index: int = 0) -> tuple[int, int] | None:
+    """GPU ``index``'s compute capability (major, minor), without a CUDA context in this process: NVML's
+    answer, else torch's in a short subprocess (no nvidia-ml-py); None when neither finds a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return int(major), int(minor)
+    except Exception:  # ImportError, NVMLError
+        pass
+    code = (f"import torch; print(*torch.cuda.get_device_capability({index})) "
+            "if torch.cuda.is_available() else None")
+    try:
+        answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts = answer.split()
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
+def not_applicable(flags: Sequence[str], capability: tuple[int, int] | None) -> str | None:
+    """Why a run with recipe ``flags`` cannot run on a GPU of compute ``capability``, or None to run it
+    (also without a GPU, None: on CPU torch's reference fp8 kernel runs the same code path)."""
+    choice = fp8_choice(flags)
+    if choice == "none" or capability is None or tuple(capability) >= MIN_CAPABILITY:
+        return None
+    need = "{}.{}".format(*MIN_CAPABILITY)
+    return (f"fp8 needs compute capability {need}+ (--fp8 {choice}); this GPU's is {capability[0]}.{capability[1]}, "
+            "without fp8 tensor cores")

@@ -9,7 +9,8 @@ The models are built first, each in a process of its own (nothing holds GPU memo
 trains), while DeepSpeed's fused and CPU Adam compile side by side in two others; ``summary.json``
 is rewritten after every case, so a crashed or timed-out case keeps the others' rows. A case that
 runs out of GPU memory is a row with status "out of memory": a failure of the plain check, a result
-of the ablation (its long-context probe stops at the first such row).
+of the ablation (its long-context probe stops at the first such row). A run with ``--fp8`` on a GPU
+below compute capability 8.9 is a row with status "not applicable" and is not run.
 
 Each case's outputs go to ``--out/<case>/`` (its log in ``run.log``); its run record is copied to
 ``--out/records/<case>.json``, ready for ``results/runs/``; ``--out/summary.json`` and the printed
@@ -256,13 +257,17 @@ def main(argv=None) -> int:
     print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}: "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
     cases = [EVERY_CASE[n] for n in names]
+    extra = tuple(shlex.split(args.extra))
+    capability = host_check.gpu_capability() if gpu else None
+    run_flags = [extra + v.flags for v in variants] if args.ablation else [extra]
+    fp8 = any(host_check.fp8_choice(f) != "none" and not host_check.not_applicable(f, capability) for f in run_flags)
     layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
     runnable = [c for c in cases if not (tiny and c.gpu_only)]
     specs = sorted({(c.arch, c.family, layers_of[c.name], c.max_positions) for c in runnable})
     unbuilt = [(a, n) for a, _, n, p in specs if not (model_folder(out, a, n, tiny, p) / "config.json").is_file()]
     found = host_check.problems(runnable, out, gpu=gpu and not tiny,
                                model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
-                               gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None)
+                               gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None, fp8=fp8)
     if found:
         print("error: this host is not ready for the GPU check; nothing was built or run:", file=sys.stderr)
         for problem in found:
@@ -270,9 +275,11 @@ def main(argv=None) -> int:
         return 2
     print(f"host check: {len(runnable)} case(s) ready", flush=True)
     if args.ablation:
-        expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, variants))
-        print(f"ablation: {len(variants)} variant(s), expected about {expected / 60:.0f} min on one H100 "
-              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there; long-context rows predicted)",
+        to_run = [v for v, f in zip(variants, run_flags, strict=True) if not host_check.not_applicable(f, capability)]
+        expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, to_run))
+        print(f"ablation: {len(to_run)} variant(s), expected about {expected / 60:.0f} min on one H100 "
+              "(gpu_check.ablation.SECONDS_ON_H100, measured per case there; long-context and fp8 rows predicted)"
+              + (f"; {len(variants) - len(to_run)} not applicable on this GPU" if len(to_run) < len(variants) else ""),
               flush=True)
     ops = None
     if gpu and not tiny:  # compile DeepSpeed's ops while the models are built
@@ -288,7 +295,6 @@ def main(argv=None) -> int:
         code = proc.wait()
         print(f"DeepSpeed op {name} {'built' if code == 0 else f'FAILED, see ops-{name}.log'} "
               f"({time.monotonic() - ops_started:.0f} s after the builds began)", flush=True)
-    extra = tuple(shlex.split(args.extra))
 
     def settings(case: Case, micro_batch=None, grad_accum=None, seq_len=None, flags=(), data=None, steps=None) -> dict:
         return {"steps": steps or args.steps or (TINY["steps"] if tiny else GPU_DEFAULTS["steps"]),
@@ -310,6 +316,8 @@ def main(argv=None) -> int:
         not_run = {**named, "seq_len": given["seq_len"], "status": "not run", **about}
         if tiny and case.gpu_only:
             rows.append({"case": case.name, "recipe": case.recipe, "status": "skipped", "reason": case.gpu_only})
+        elif why := host_check.not_applicable(given["extra"], capability):
+            rows.append({**not_run, "status": "not applicable", "reason": why})
         elif args.time_budget is not None and time.monotonic() - started > args.time_budget:
             rows.append({**not_run, "reason": f"the {args.time_budget:.0f} s time budget was spent"})
         elif variant and (stopped := ablation.probe_stopped(variant, rows)):
@@ -327,7 +335,7 @@ def main(argv=None) -> int:
         (out / "summary.json").write_text(json.dumps({"tiny": tiny, "gpu": info, "cases": rows}, indent=2) + "\n")
     print("\n" + summary_table(rows))
     for r in rows:
-        if r["status"] in ("skipped", "not run"):
+        if r["status"] in ("skipped", "not run", "not applicable"):
             print(f"{r.get('run', r['case'])}: {r['status']}, {r['reason']}")
         if "skipped_steps" in r:
             print(f"{r['case']}: fp16 loss scale {r.get('loss_scale')}, {r['skipped_steps']} overflow step(s) skipped")
@@ -340,7 +348,7 @@ def main(argv=None) -> int:
     failed = [r.get("run", r["case"]) for r in rows if r["status"] in failing]
     passed = sum(r["status"] == "ok" for r in rows)
     others = {status: sum(r["status"] == status for r in rows)
-              for status in ("skipped", "not run") + (("out of memory",) if args.ablation else ())}
+              for status in ("skipped", "not run", "not applicable") + (("out of memory",) if args.ablation else ())}
     print(f"\n{passed} of {len(rows)} passed, {len(failed)} failed"
           + "".join(f", {n} {status}" for status, n in others.items() if n) + f"; summary: {out / 'summary.json'}")
     return 1 if failed else 0
