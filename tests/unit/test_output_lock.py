@@ -87,10 +87,11 @@ def test_a_live_run_on_another_machine_is_told_by_its_heartbeat(tmp_path, monkey
     out = tmp_path / "out"
     record, stop = foreign_lock(out), threading.Event()
 
-    def beat():  # what the holder's heartbeat thread does, every second here
+    def beat():  # what the holder's heartbeat thread does, every second here: a whole new file, replaced at once
         while not stop.wait(1.0):
             record["beat"] += 1
-            (out / "run.lock").write_text(json.dumps(record))
+            (out / "run.lock.beat").write_text(json.dumps(record))
+            os.replace(out / "run.lock.beat", out / "run.lock")
 
     thread = threading.Thread(target=beat)
     thread.start()
