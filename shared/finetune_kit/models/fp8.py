@@ -19,9 +19,9 @@ projections all convert (4,096, 1,024 and 14,336 wide): 224 layers, 93% of the m
 attention's own matmuls (not converted) at 2,048 tokens, 87% of the model FLOPs.
 
 Where it runs (:func:`check`): on GPUs of compute capability 8.9 or above (Ada, Hopper, Blackwell:
-fp8 tensor cores) -- elsewhere torch's ``_scaled_mm`` has no fp8 kernel, except on CPU, where its
-reference kernel lets the tests run the exact code path; not on a 4-bit base (QLoRA computes in the
-dequantised bf16 and its trainable LoRA matrices are too small to gain). Under DeepSpeed ZeRO-3,
+fp8 tensor cores) -- elsewhere torch's ``_scaled_mm`` has no fp8 kernel; on a machine without a GPU (the
+tests) torchao emulates it: the same layers, casts and scales, the matmul in fp32. Not on a 4-bit base
+(QLoRA computes in the dequantised bf16 and its trainable LoRA matrices are too small to gain). Under DeepSpeed ZeRO-3,
 accelerate converts the layers before ``deepspeed.initialize`` (accelerate's ``Accelerator.prepare``:
 ``_prepare_ao`` before ``_prepare_deepspeed``), so DeepSpeed's partitioning hooks land on the new
 layers and the weights it gathers are the ones the float8 matmul reads.
@@ -47,13 +47,21 @@ def keeps_fp8(module, fqn: str) -> bool:
 
 
 def accelerator_kwargs(choice: str) -> dict:
-    """What ``Accelerator(...)`` needs for ``--fp8 choice``: nothing for ``none``."""
+    """What ``Accelerator(...)`` needs for ``--fp8 choice``: nothing for ``none``. Without a CUDA GPU, torchao's
+    emulation: the operands cast to float8 with the same scales, multiplied in fp32 (as ``_scaled_mm``
+    accumulates): torch's CPU ``_scaled_mm`` runs only where oneDNN has fp8 kernels (it fails on AVX2-only
+    CPUs), and its results differ with the CPU; the emulation is the same on every machine."""
     if choice == "none":
         return {}
+    import dataclasses
+
+    import torch
     from accelerate.utils import AORecipeKwargs
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(choice)
+    if not torch.cuda.is_available():  # the tests' CPU path: the same casts and scales, the matmul in fp32
+        config = dataclasses.replace(config, emulate=True)
     return {"mixed_precision": "fp8", "kwargs_handlers": [AORecipeKwargs(config=config, module_filter_func=keeps_fp8)]}
 
 
