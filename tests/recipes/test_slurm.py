@@ -106,9 +106,14 @@ def test_a_70b_job_preempted_with_usr1_checkpoints_both_nodes_requeues_and_finis
     stops = re.findall(r"stopped by SIGUSR1 after step (\d+) of 6; checkpoint: (\S+)\.", log)
     assert stops and {step for step, _ in stops} == {str(stopped_at)}, log[-4000:]
     assert f"requeueing job {job}" in log and "done: 6 steps" in log
-    table = cluster.sacct(job)
+    settled = time.monotonic() + 60  # the controller sends the job's end to slurmdbd after it reports it itself
+    while True:
+        table = cluster.sacct(job)
+        runs = [line.split() for line in table.splitlines() if line.startswith(f"{job} ")]
+        if [run[2] for run in runs] != ["REQUEUED", "RUNNING"] or time.monotonic() > settled:
+            break
+        time.sleep(1)
     print(table)
-    runs = [line.split() for line in table.splitlines() if line.startswith(f"{job} ")]
     assert [run[2] for run in runs] == ["REQUEUED", "COMPLETED"] and all(run[4] == "node[0-1]" for run in runs)
     golden = REPO / "tests/golden/llama3-70b-qlora.json"
     assert_matches_golden(losses(output), golden, 6, atol=5e-3)  # the 70B session's tolerance
