@@ -118,6 +118,12 @@ class LoopArguments:
     seed: int = flag(42, "seed of the data order and the initialisation of new weights")
 
 
+def global_batch(args, world: int) -> int:
+    """Sequences per optimizer step of a launch of ``world`` ranks: micro-batch x accumulation x the ranks that read
+    different sequences (ranks that share each sequence, ``--sequence-parallel``, read the same ones)."""
+    return args.micro_batch_size * args.grad_accum * world // getattr(args, "sequence_parallel", 1)
+
+
 def parse(arguments: type, argv=None, *, description: str, trainer: type | None = None, **defaults):
     """Parse ``argv`` into an ``arguments`` instance, with the recipe's ``defaults``. ``trainer``: also
     parse the flags of that dataclass (the HF Trainer's ``TrainingArguments``) and return them second,

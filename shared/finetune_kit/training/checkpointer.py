@@ -14,6 +14,7 @@ from pathlib import Path
 from finetune_kit import output_lock
 from finetune_kit.launch import nvme
 from finetune_kit.training import adam_resume, resharding
+from finetune_kit.training.arguments import global_batch
 from finetune_kit.training.checkpoints import load_checkpoint, read_state, save_checkpoint
 from finetune_kit.training.loop import Position
 
@@ -28,9 +29,7 @@ class Checkpointer:
     def __init__(self, accelerator, checked, args):
         self.accelerator, self.checked = accelerator, checked
         self.every, self.keep = args.save_every, args.keep_checkpoints
-        # sequences per optimizer step: ranks that share a sequence (--sequence-parallel) read the same ones
-        self.global_batch = (args.micro_batch_size * args.grad_accum * accelerator.num_processes
-                             // getattr(args, "sequence_parallel", 1))
+        self.global_batch = global_batch(args, accelerator.num_processes)
         if accelerator.is_main_process:
             output_lock.acquire(checked.output)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env, nvme
 from finetune_kit.training import checkpoints
+from finetune_kit.training.arguments import global_batch
 from finetune_kit.training.checkpoints import DS_TAG, PARTIAL, read_state
 
 UNIVERSAL = "universal"  # DeepSpeed's universal checkpoint of a checkpoint, for another number of ranks
@@ -82,7 +83,7 @@ def check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | Non
     if zero_stage != 3:
         raise ConfigError(f"checkpoint '{checkpoint}' was saved by {ranks(saved)}, this launch has {world}: "
                           f"resuming on another number of ranks is supported under ZeRO-3. Launch {ranks(saved)}.")
-    given = args.micro_batch_size * args.grad_accum * world // getattr(args, "sequence_parallel", 1)
+    given = global_batch(args, world)
     if given != state["global_batch"]:
         accum = state["global_batch"] / (args.micro_batch_size * world)
         fix = (f"pass --grad-accum {accum:g}" if accum.is_integer() else
