@@ -20,7 +20,9 @@ Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists (
 ShareGPT, Alpaca, prompt/completion, prompt/response), rendered with Llama 2's chat template,
 "<s>[INST] prompt [/INST] answer </s>" per turn; the loss is on the answers. Outputs under
 --output_dir: checkpoint-N/ (resume with --resume_from_checkpoint latest), model/ (consolidated
-bf16 safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
+bf16 safetensors + tokenizer with the chat template, generation_config.json stopping at its end of turn,
+README.md: the model card), samples.jsonl (held-out prompts answered by the final model), heldout.jsonl,
+metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
 MFU, memory), run_record.json (throughput medians, peak memory, hardware and library versions:
 what results/ collects), run_info.json (data split, per-rank optimizer shards, validation, the
 memory plan).
@@ -42,7 +44,7 @@ CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.InstructionData, training.Kernels):
+class Arguments(training.ModelArguments, training.InstructionData, training.Samples, training.Kernels):
     """The shared families (training/arguments.py); the loop's flags are TrainingArguments'."""
 
 
@@ -94,13 +96,15 @@ def main(argv=None) -> None:
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
+    template = data.chat_template(args.chat_template, tokenizer)  # renders every conversation; saved with the model
     with targs.main_process_first(local=True, desc="tokenising"):  # one process per node, or --data_cache
-        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.chat_template,
+        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, template,
                                               cache=args.data_cache, workers=args.data_workers)
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, targs.seed)
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
-    split = training.DataSplit.of(train_set, eval_set, counts)
+    split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows
+    prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples, answered at the end
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     recorder = data.RowRecorder(data.PackedCollator() if args.pack else pad)  # rows this rank loaded, for the record
     hf_trainer.check_enough_data(targs, len(train_set))
@@ -115,6 +119,8 @@ def main(argv=None) -> None:
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
     trainer = hf_trainer.metered_trainer(checked, args, targs, model=model, train_dataset=train_set,
                                          data_collator=recorder, processing_class=tokenizer)
+    before = training.answers_before(trainer.accelerator, model, tokenizer, template, prompts, args,
+                                     resumed=checked.resume_from is not None)
     # checkpoint-N every --save_steps; a stop signal (SIGTERM, SIGUSR1) saves one and ends train()
     trainer.train(resume_from_checkpoint=str(checked.resume_from) if checked.resume_from else None)
     if trainer.stopped_by:  # the same command resumes from that checkpoint
@@ -122,7 +128,7 @@ def main(argv=None) -> None:
 
     # ---- 6. Save the consolidated model; validation, run record and run info ----
     # ZeRO-2: every rank has the full weights; rank 0 writes
-    model_dir = training.save_trainer_model(trainer, checked.output / "model") if args.save_model else None
+    model_dir = training.save_trainer_model(trainer, checked.output / "model", template) if args.save_model else None
     trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
     evals = []
     if eval_set is not None:
@@ -130,9 +136,12 @@ def main(argv=None) -> None:
                                                          collate_fn=pad))
         loss = training.evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)
         evals = [{"step": trainer.state.global_step, "epoch": trainer.state.epoch, "eval_loss": loss}]
+    samples = training.sample_answers(trainer.accelerator, trainer.model_wrapped, tokenizer, template, prompts, args,
+                                      checked.output, before)
     training.finish(trainer.accelerator, checked, args, trainer.model_wrapped, trainer,
                     steps=trainer.state.global_step, total_steps=trainer.state.max_steps, split=split, evals=evals,
-                    saved_to=model_dir, batch=hf_trainer.batch_shape(targs), training={"packing": args.pack})
+                    saved_to=model_dir, batch=hf_trainer.batch_shape(targs), training={"packing": args.pack},
+                    samples=samples)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ Launch from this folder on both nodes at the same time (shared model/data paths,
 
 Data: CSV files with a star ``rating`` (1-5) and the review ``text``; 1-2 stars -> negative, 4-5 -> positive,
 3 -> dropped (finetune_kit.data.reviews). Outputs under --output: checkpoints/step_N/, adapter/ (LoRA + head,
-for PeftModel.from_pretrained), merged/ (--merge), metrics.jsonl (per logged step: loss, grad norm, tokens/s,
-TFLOP/s, MFU, memory), run_record.json (throughput medians, peak memory, hardware and library versions: what
-results/ collects), run_info.json (data split, per-rank shards, validations, LoRA settings, the memory plan).
+for PeftModel.from_pretrained), merged/ (--merge: the base in 16-bit with the adapter merged, for plain
+transformers or vLLM), each with its model card README.md, heldout.jsonl (the held-out reviews, for `make eval`),
+metrics.jsonl (per logged step: loss, grad norm, tokens/s, TFLOP/s, MFU, memory), run_record.json
+(throughput medians, peak memory, hardware and library versions: what results/ collects), run_info.json (data
+split, per-rank shards, validations, LoRA settings, the memory plan).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # First: the package quiets a bitsandbytes warning that importing peft would print
-from finetune_kit import models, run_main, training
+from finetune_kit import model_card, models, run_main, training
 
 # isort: split
 from peft import LoraConfig
@@ -114,7 +116,7 @@ def main(argv=None) -> None:
     qlora.check_pad_token_fits(tokenizer, checked.model_config, args.model)
     examples = reviews.tokenize(rows, tokenizer, args.max_seq_len)
     held_out = examples.train_test_split(test_size=args.eval_fraction, seed=args.seed)
-    split = training.DataSplit.of(held_out["train"], held_out["test"])
+    split = training.DataSplit.of(held_out["train"], held_out["test"], rows=rows)  # sizes, and the held-out rows
     collate = reviews.ReviewCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     train_dl = DataLoader(held_out["train"], batch_size=args.micro_batch_size, shuffle=True, collate_fn=collate)
     eval_dl = DataLoader(held_out["test"], batch_size=args.micro_batch_size, collate_fn=collate)
@@ -175,7 +177,7 @@ def main(argv=None) -> None:
     if args.merge and adapter_dir and accelerator.is_main_process:
         merged = qlora.merge_adapter(args.model, adapter_dir, checked.output / "merged", dtype=qlora.parse_dtype(
             args.dtype, "--dtype"))  # the base in --dtype, then the adapter merged into it
-        print(f"merged model saved to {merged}")
+        print(f"merged model saved to {merged}; model card: {model_card.write(checked.output)[-1]}")
 
 
 if __name__ == "__main__":

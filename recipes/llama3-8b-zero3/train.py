@@ -22,11 +22,13 @@ Launch from this folder:
 Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists: chat "messages",
 ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
-safetensors + tokenizer), metrics.jsonl (one line per logged step: loss, tokens/s, TFLOP/s,
-MFU, memory; also to TensorBoard, W&B or MLflow with --report-to), run_record.json (throughput medians, peak
-memory, hardware and library versions: what results/ collects), run_info.json (data split,
-per-rank shards, validation, the memory plan). FINETUNE_METRICS_PORT=9450 in the environment
-serves live Prometheus metrics from every rank (port 9450 + local rank).
+safetensors + tokenizer with the chat template, generation_config.json stopping at its end of turn, README.md:
+the model card), samples.jsonl (held-out prompts answered by the final model; --sample-before: also before
+training), heldout.jsonl (the held-out rows, for `make eval`), metrics.jsonl (one line per logged step: loss,
+tokens/s, TFLOP/s, MFU, memory; also to TensorBoard, W&B or MLflow with --report-to), run_record.json
+(throughput medians, peak memory, hardware and library versions: what results/ collects), run_info.json (data
+split, per-rank shards, validation, the memory plan). FINETUNE_METRICS_PORT=9450 in the environment serves live
+Prometheus metrics from every rank (port 9450 + local rank).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.InstructionData, training.Kernels, training.LongContext,
-                training.LoopArguments):
+class Arguments(training.ModelArguments, training.InstructionData, training.Samples, training.Kernels,
+                training.LongContext, training.LoopArguments):
     """Every flag this recipe takes: the shared families (training/arguments.py), nothing of its own."""
 
 
@@ -74,13 +76,15 @@ def main(argv=None) -> None:
 
     # ---- 3. Data: chat template, loss on the assistant's turns, a held-out validation split ----
     tokenizer = models.load_tokenizer(args.model)
+    template = data.chat_template(args.chat_template, tokenizer)  # renders every conversation; saved with the model
     with accelerator.local_main_process_first():  # one process per node tokenises, or reads --data-cache
-        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, args.chat_template,
+        examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, template,
                                               cache=args.data_cache, workers=args.data_workers)
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
-    split = training.DataSplit.of(train_set, eval_set, counts)
+    split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows
+    prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples, answered at the end
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     collate = training.shard_sequences(data.PackedCollator() if args.pack else pad, sp, tokenizer.pad_token_id)
     train_dl = training.shard_loader(accelerator, DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
@@ -109,6 +113,7 @@ def main(argv=None) -> None:
     checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
     start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
     meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
+    before = training.answers_before(accelerator, model, tokenizer, template, prompts, args, resumed=start.step > 0)
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
     model.train()
@@ -133,14 +138,15 @@ def main(argv=None) -> None:
         if stopping:
             return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 
-    # ---- 7. Save the consolidated model; validation, run record and run info ----
-    model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model") \
-        if args.save_model else None
+    # ---- 7. Save the consolidated model; validation, sample answers, run record, run info and model card ----
+    model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model", template) \
+        if args.save_model else None  # generation_config.json stops at the chat template's end of turn
     evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
         if eval_dl is not None else []
+    samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked.output, before)
     training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
                     split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
-                    training={"packing": args.pack})
+                    training={"packing": args.pack}, samples=samples)
 
 
 if __name__ == "__main__":

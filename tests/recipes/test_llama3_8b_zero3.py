@@ -84,7 +84,7 @@ def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess
     output = tmp_path_factory.mktemp("runs") / "fresh"
     before = set(Path("/dev/shm").glob(SHM_BUFFERS))
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", "--sample-before")
     left = sorted(set(Path("/dev/shm").glob(SHM_BUFFERS)) - before)
     assert_finished(proc, STEPS)
     return proc, output, left
@@ -258,6 +258,67 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
 
 
+# ---- after training: sample answers, the model card, a folder plain transformers generates from ----
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_the_run_answers_held_out_prompts_before_and_after_training(run, run_info):
+    """--samples 4 (the default) of the held-out rows, answered by the model as loaded (--sample-before) and by
+    the final model; in samples.jsonl, the run record and the log."""
+    heldout = read_jsonl(run / "heldout.jsonl")
+    assert [row["example_id"] for row in heldout] == run_info["eval_example_ids"]
+    samples = read_jsonl(run / "samples.jsonl")
+    assert [s["example_id"] for s in samples] == run_info["eval_example_ids"][:4]
+    for sample, row in zip(samples, heldout, strict=False):
+        assert sample["prompt"] == row["messages"][-2]["content"]
+        assert sample["reference"] == row["messages"][-1]["content"]
+        assert sample["answer"] and sample["before"]
+    assert any(s["answer"] != s["before"] for s in samples)  # training changed what it says
+    assert json.loads((run / "run_record.json").read_text())["samples"] == samples
+
+
+def test_plain_transformers_answers_like_the_run_from_the_saved_folder(run):
+    """model/ carries the chat template the run trained with and stops at its end of turn: plain transformers
+    renders each sample prompt and generates, with the folder's own generation_config, the run's answer (greedy,
+    from the same bf16 weights; the run generated under ZeRO-3, all prompts in one left-padded batch)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(run / "model"), AutoTokenizer.from_pretrained(run / "model")
+    stops = GenerationConfig.from_pretrained(run / "model").eos_token_id
+    assert stops == tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
+    for sample in read_jsonl(run / "samples.jsonl"):
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": sample["prompt"]}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**inputs, max_new_tokens=128, do_sample=False)
+        answer = out[0, inputs["input_ids"].shape[1]:]
+        assert tokenizer.decode(answer, skip_special_tokens=True).strip() == sample["answer"]
+        assert len(answer) == 128 or answer[-1].item() in stops
+
+
+def test_the_model_card_is_generated_from_the_run(run, run_info):
+    """model/README.md: front matter a hub reads, the settings, data, measured speed, validation and samples,
+    each taken from the run's files."""
+    import hashlib
+
+    import yaml
+
+    card = (run / "model/README.md").read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert {"llama3-8b-zero3", "deepspeed", "zero-3", "full"} <= set(meta["tags"])
+    assert meta["datasets"] == [f"sha256:{hashlib.sha256(SAMPLE.read_bytes()).hexdigest()}"]
+    assert "base_model" not in meta  # a local folder is no hub id
+    record = json.loads((run / "run_record.json").read_text())
+    assert f"| tokens/s (all devices) | {record['measured']['tokens_per_s']:,.0f} |" in body
+    assert f"| global batch (sequences) | {record['training']['global_batch_size']} |" in body
+    assert f"| peak learning rate | {run_info['settings']['lr']} |" in body
+    assert f"loss {run_info['eval_loss']:.4f} (nats/token)" in body
+    assert all(s["prompt"] in body for s in read_jsonl(run / "samples.jsonl"))
+
+
 # ---- the same train.py under PyTorch FSDP2 (configs/fsdp2.yaml) ----
 
 FSDP_GOLDEN = REPO / "tests/golden/llama3-8b-zero3-fsdp2.json"
@@ -278,6 +339,13 @@ def fsdp_run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
 
 def test_fsdp2_losses_match_golden(fsdp_run):
     assert_matches_golden(losses(fsdp_run), FSDP_GOLDEN, STEPS)
+
+
+def test_fsdp2_answers_its_samples_from_the_sharded_model(fsdp_run):
+    """Generation gathers FSDP2's shards layer by layer on every rank (synced_gpus), as ZeRO-3's does."""
+    samples = read_jsonl(fsdp_run / "samples.jsonl")
+    assert len(samples) == 4 and all(s["answer"] for s in samples)
+    assert (fsdp_run / "model/README.md").is_file()
 
 
 def test_zero3_and_fsdp2_train_alike(run, fsdp_run):
@@ -815,6 +883,12 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
                            r"pass --loss-kernel chunked"),
     ("recompute_every_zero", r"--recompute-every 0: activation checkpointing applies to every N-th decoder layer.* "
                               r"Pass --recompute-every 1"),
+    ("negative_samples", r"--samples -1: the number of held-out prompts the final model answers, 0 or more\. "
+                         r"Pass --samples 0"),
+    ("sample_before_without_samples", r"--sample-before with --samples 0: there are no prompts to answer before "
+                                      r"training\. Pass --samples 4"),
+    ("no_sample_tokens", r"--sample-tokens 0: the most new tokens of a sample answer, 1 or more"),
+    ("missing_sample_prompts", r"data file '.*absent-prompts\.jsonl' does not exist"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -854,6 +928,14 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--loss-kernel"] = "liger"
     elif case == "recompute_every_zero":
         args["--recompute-every"] = "0"
+    elif case == "negative_samples":
+        args["--samples"] = "-1"
+    elif case == "sample_before_without_samples":
+        args["--samples"], args["--sample-before"] = "0", True
+    elif case == "no_sample_tokens":
+        args["--sample-tokens"] = "0"
+    elif case == "missing_sample_prompts":
+        args["--sample-prompts"] = str(tmp_path / "absent-prompts.jsonl")
     elif case == "deepspeed_typo":
         config = json.loads((RECIPE / "configs/zero3.json").read_text())
         config["zero_optimization"]["stage3_prefetch_bucket_sise"] = config["zero_optimization"].pop(

@@ -178,11 +178,12 @@ def _answers(messages: list[dict]) -> int:
     return sum(m["role"] == "assistant" and bool(m["content"].strip()) for m in messages)
 
 
-def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_template: str = "auto", *,
+def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_template="auto", *,
                   cache: str | None = None, workers: int = 1):
     """``(examples, counts)``: every row tokenised (``input_ids``, ``labels``, ``example_ids``),
     those with nothing left to learn dropped, and the :class:`DataCounts`. Raises DataError
-    if no example is left or the template rejects a conversation (naming the row).
+    if no example is left or the template rejects a conversation (naming the row). ``chat_template``:
+    a ``--chat-template`` choice or a resolved :class:`~.templates.ChatTemplate`.
 
     ``cache``: ``auto`` (``FINETUNE_CACHE_DIR``), a folder, or None/``none``: where :mod:`.token_cache`
     keeps entries, read when this data was tokenised the same way before and written otherwise.
@@ -245,3 +246,9 @@ def holdout_split(examples, fraction: float, seed: int):
         return examples, None
     split = examples.train_test_split(test_size=n_eval, seed=seed)
     return split["train"], split["test"]
+
+
+def heldout_rows(data: InstructionRows, example_ids: list[int]) -> list[dict]:
+    """The held-out rows as conversations, ``{"example_id", "messages"}`` each, in ``example_ids``' order:
+    what ``heldout.jsonl`` in the run folder holds for the sample answers and the evaluation harness."""
+    return [{"example_id": int(i), "messages": data.format.to_messages(data.rows[int(i)])} for i in example_ids]

@@ -110,6 +110,15 @@ def load_reviews(paths: Sequence[str], rating_column: str = "rating", text_colum
     return datasets.Dataset.from_dict({"text": texts, "label": labels, "example_id": ids}), counts
 
 
+def heldout_rows(reviews, example_ids: list[int]) -> list[dict]:
+    """The held-out reviews, ``{"example_id", "text", "label", "label_name"}`` each, in ``example_ids``' order:
+    what ``heldout.jsonl`` in the run folder holds for the evaluation harness."""
+    where = {int(i): n for n, i in enumerate(reviews["example_id"])}
+    rows = [reviews[where[int(i)]] for i in example_ids]
+    return [{"example_id": int(r["example_id"]), "text": r["text"], "label": int(r["label"]),
+             "label_name": LABELS[int(r["label"])]} for r in rows]
+
+
 def tokenize(reviews, tokenizer, max_seq_len: int):
     """Token ids per review, truncated to ``max_seq_len`` (padding happens per batch)."""
     def encode(batch):

@@ -34,8 +34,11 @@ class ChatTemplate:
     source: str  # the Jinja text
 
 
-def resolve(choice: str, tokenizer) -> ChatTemplate:
-    """The template for ``--chat-template choice`` with this tokenizer; DataError if none."""
+def resolve(choice, tokenizer) -> ChatTemplate:
+    """The template for ``--chat-template choice`` with this tokenizer; DataError if none. A
+    :class:`ChatTemplate` passes through."""
+    if isinstance(choice, ChatTemplate):
+        return choice
     if choice == "auto":
         if tokenizer.chat_template:
             return ChatTemplate("tokenizer's own", tokenizer.chat_template)
@@ -90,3 +93,19 @@ def segments(tokenizer, template: ChatTemplate, messages: list[dict]) -> Iterato
         yield before[len(done):], False
         yield through[len(before):], answered
         done = through
+
+
+def end_of_turn_ids(tokenizer, template: ChatTemplate) -> list[int]:
+    """The token ids that end an assistant turn in ``template`` (Llama 3's ``<|eot_id|>``, Llama 2's
+    ``</s>``), then the tokenizer's EOS: what generation stops at. They are the special tokens the
+    template puts after an answer's text, found by rendering a one-turn conversation."""
+    answer = "Fine."
+    messages = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": answer}]
+    *_, (turn, _) = segments(tokenizer, template, messages)
+    after = turn[turn.index(answer) + len(answer):]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids = [i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special]
+    return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
+
+
+chat_template = resolve  # as a recipe reads it: data.chat_template(args.chat_template, tokenizer)

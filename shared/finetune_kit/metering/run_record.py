@@ -111,6 +111,8 @@ class RunRecord(_Strict):
     training: Training
     measured: Measured
     data: DataCounts | None = None  # instruction recipes: what tokenisation kept, truncated, dropped
+    samples: list[dict] | None = None  # generative recipes: held-out prompts and the final model's answers
+    evaluation: dict | None = None  # `make eval`'s summary (finetune_kit.harness): task -> metric -> value
     notes: str = ""
 
     def write(self, path: Path) -> Path:
@@ -272,6 +274,7 @@ class RunInfo(_Strict):
     memory_plan: dict
     ranks: list[dict]  # per rank: rank, machine_rank, world_size, example_ids, params[, optimizer]
     details: dict = {}
+    settings: dict = {}  # every flag of the run as parsed (the model card's hyperparameters)
     finished_at: str
 
     def write(self, path: Path) -> Path:

@@ -5,7 +5,8 @@ heavy), :mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the s
 each step's micro-batches and labelled tokens), :mod:`.checkpointer` (resume, when to save) over
 :mod:`.checkpoints` (layout, atomic save, which to resume), :mod:`.stop` (stop signals), :mod:`.records`
 (the step meter, validations, the run's records), :mod:`.final_model` (model, Trainer model or adapter),
-:mod:`.evaluation`, :mod:`.hf_trainer` (the HF Trainer recipe's loop); and what they stand on:
+:mod:`.evaluation`, :mod:`.samples` (what the model answers), :mod:`.hf_trainer` (the HF Trainer recipe's loop);
+and what they stand on:
 :mod:`.resharding` (resume on another number of ranks), :mod:`.adam_resume` and :mod:`.nvme_resume` (what
 DeepSpeed's load leaves out), :mod:`.partitions` (ZeRO shard reports), :mod:`.sequence_parallel` (ranks
 that share each sequence). The names a recipe uses are
@@ -15,8 +16,8 @@ importable from here.
 from importlib import import_module
 
 _LAZY = {
-    **dict.fromkeys(("ModelArguments", "InstructionData", "Kernels", "LongContext", "LoopArguments", "flag", "parse"),
-                    "finetune_kit.training.arguments"),
+    **dict.fromkeys(("ModelArguments", "InstructionData", "Samples", "Kernels", "LongContext", "LoopArguments", "flag",
+                     "parse"), "finetune_kit.training.arguments"),
     **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.input_checks"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
     **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
@@ -26,6 +27,7 @@ _LAZY = {
                     "finetune_kit.training.records"),
     **dict.fromkeys(("save_consolidated", "save_adapter", "save_trainer_model"), "finetune_kit.training.final_model"),
     "evaluate_loss": "finetune_kit.training.evaluation",
+    **dict.fromkeys(("sample_prompts", "answers_before", "sample_answers"), "finetune_kit.training.samples"),
     **dict.fromkeys(("sequence_groups", "shard_sequences", "shard_loader", "use_sequence_parallel"),
                     "finetune_kit.training.sequence_parallel"),
 }

@@ -58,6 +58,18 @@ class InstructionData:
 
 
 @dataclass
+class Samples:
+    """What the model answers at the end of a generative run (training.samples)."""
+
+    samples: int = flag(4, "held-out prompts the final model answers, printed and in samples.jsonl (0: none)")
+    sample_prompts: str = flag(None, ".jsonl/.json/.csv of prompts to answer instead, in any data format (a row's "
+                                     "last answer is shown as the reference)")
+    sample_before: bool = flag(False, "answer the same prompts with the model as loaded, before training, side by "
+                                      "side (a fresh run; skipped on resume)")
+    sample_tokens: int = flag(128, "most new tokens per sample answer (greedy, stops at the end of the turn)")
+
+
+@dataclass
 class Kernels:
     """Speed and memory levers of a causal LM's forward and backward."""
 

@@ -4,7 +4,9 @@ Each is written whole or not at all (``outputs.written_whole``: an interrupted w
 previous copy in place). Every rank calls; one writes.
 
     <output>/model/     consolidated 16-bit safetensors + tokenizer (full fine-tunes), loadable
-                        with plain ``AutoModelForCausalLM.from_pretrained``
+                        with plain ``AutoModelForCausalLM.from_pretrained``; the tokenizer carries the
+                        chat template the run trained with and ``generation_config.json`` stops at its
+                        end of turn, so plain ``generate`` ends an answer where training taught it to
     <output>/adapter/   LoRA adapter + classification head + tokenizer (QLoRA), loadable with
                         ``PeftModel.from_pretrained(base, adapter)``
 """
@@ -17,11 +19,12 @@ from finetune_kit.models import qlora
 from finetune_kit.outputs import written_whole
 
 
-def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
+def save_consolidated(accelerator, model, tokenizer, out: Path, template=None) -> Path:
     """Gather the full 16-bit weights (ZeRO-3: needs stage3_gather_16bit_weights_on_model_save)
     and write safetensors plus tokenizer. All ranks must call; rank 0 writes. FSDP2 keeps fp32
     weights (its master copy): they are written in the model's own dtype (``config.dtype``, bf16
-    for Llama), as DeepSpeed writes its 16-bit weights."""
+    for Llama), as DeepSpeed writes its 16-bit weights. ``template``: the run's chat template
+    (:func:`chat_ready`)."""
     import torch
 
     state_dict = accelerator.get_state_dict(model)
@@ -37,16 +40,39 @@ def save_consolidated(accelerator, model, tokenizer, out: Path) -> Path:
                 unwrapped.config.dtype = dtype
                 unwrapped.config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
+            if template is not None:
+                chat_ready(folder, tokenizer, template)
     accelerator.wait_for_everyone()
     return Path(out)
 
 
-def save_trainer_model(trainer, out: Path) -> Path:
+def save_trainer_model(trainer, out: Path, template=None) -> Path:
     """The HF Trainer's consolidated model in ``out``, put in place only once complete (all ranks
-    call it; the Trainer writes on rank 0)."""
+    call it; the Trainer writes on rank 0). ``template``: the run's chat template (:func:`chat_ready`)."""
     with written_whole(Path(out), writer=trainer.args.should_save) as folder:
         trainer.save_model(str(folder))
+        if template is not None and trainer.args.should_save:
+            chat_ready(folder, trainer.processing_class, template)
     return Path(out)
+
+
+def chat_ready(folder: Path, tokenizer, template) -> None:
+    """Make the saved model in ``folder`` answer as it trained: the tokenizer with ``template`` as its chat
+    template (``apply_chat_template`` renders what training rendered) and ``generation_config.json`` whose stop
+    tokens are the template's end of turn and the EOS (a base model's config has only its EOS, so a chat-tuned
+    model would run past the end of its answer)."""
+    from transformers import GenerationConfig
+
+    from finetune_kit.data.templates import end_of_turn_ids
+
+    tokenizer.chat_template = template.source
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "generation_config.json"
+    config = GenerationConfig.from_pretrained(folder) if path.is_file() else GenerationConfig()
+    config.eos_token_id = end_of_turn_ids(tokenizer, template)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.save_pretrained(folder)
 
 
 def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:

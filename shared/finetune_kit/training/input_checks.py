@@ -81,6 +81,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     model_config, shape = _model(args.model, args.max_seq_len)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
+    _samples(args, "-")
     _attention(getattr(args, "attention", "auto"), "--attention")
     _loss_kernel(getattr(args, "loss_kernel", "chunked"), "--loss-kernel")
     _compiler(getattr(args, "compile", False), "--compile")
@@ -151,6 +152,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
     config_checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
+    _samples(recipe_args, "_")
     _attention(getattr(recipe_args, "attention", "auto"), "--attention")
     _loss_kernel(getattr(recipe_args, "loss_kernel", "chunked"), "--loss_kernel")
     _compiler(trainer_kwargs.get("torch_compile", False), "--torch_compile")
@@ -289,6 +291,26 @@ def _data_workers(workers: int, flag: str) -> None:
     if workers < 0:
         raise ConfigError(f"{flag} {workers}: that many processes tokenise the data, a whole number from 1, or 0 "
                           f"to take one per CPU (up to 8) for large data. Pass {flag} 0.")
+
+
+def _samples(args, dash: str) -> None:
+    """The sample-answer flags (training.samples); ``dash``: how the recipe's flags join words."""
+    if not hasattr(args, "samples"):
+        return
+    name = lambda flag: "--" + flag.replace("_", dash)  # noqa: E731
+    if args.samples < 0:
+        raise ConfigError(f"{name('samples')} {args.samples}: the number of held-out prompts the final model answers, "
+                          f"0 or more. Pass {name('samples')} 0 to answer none.")
+    if args.sample_tokens < 1:
+        raise ConfigError(f"{name('sample_tokens')} {args.sample_tokens}: the most new tokens of a sample answer, 1 "
+                          f"or more. Pass e.g. {name('sample_tokens')} 128.")
+    if args.sample_before and not args.samples:
+        raise ConfigError(f"{name('sample_before')} with {name('samples')} 0: there are no prompts to answer before "
+                          f"training. Pass {name('samples')} 4 (or more), or drop {name('sample_before')}.")
+    if args.sample_prompts:  # read and checked now, as --data is: a bad file fails before the launch
+        from finetune_kit.data.instructions import load_rows
+
+        load_rows(args.sample_prompts)
 
 
 def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:

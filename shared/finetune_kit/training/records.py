@@ -22,13 +22,27 @@ class DataSplit:
     train_examples: int
     eval_example_ids: list[int] = field(default_factory=list)  # the held-out source rows
     counts: object = None  # data.instructions.DataCounts of the instruction recipes
+    heldout: list[dict] = field(default_factory=list)  # the held-out rows as read: heldout.jsonl in the run folder
 
     @classmethod
-    def of(cls, train_set, eval_set=None, counts=None) -> DataSplit:
-        """From the two datasets (rows carry ``example_ids`` or ``example_id``); prints ``counts``' summary."""
+    def of(cls, train_set, eval_set=None, counts=None, rows=None) -> DataSplit:
+        """From the two datasets (rows carry ``example_ids`` or ``example_id``); prints ``counts``' summary.
+        ``rows``: the source rows (``data.load_rows``' or ``reviews.load_reviews``'), whose held-out ones are kept
+        for the sample answers and the evaluation harness."""
         if counts is not None and env.is_main_rank():
             print(counts.summary())
-        return cls(len(train_set), example_ids(eval_set) if eval_set is not None else [], counts)
+        ids = example_ids(eval_set) if eval_set is not None else []
+        return cls(len(train_set), ids, counts, _heldout(rows, ids) if rows is not None else [])
+
+
+def _heldout(rows, ids: list[int]) -> list[dict]:
+    if hasattr(rows, "format"):  # instruction rows: conversations
+        from finetune_kit.data.instructions import heldout_rows
+
+        return heldout_rows(rows, ids)
+    from finetune_kit.data.reviews import heldout_rows
+
+    return heldout_rows(rows, ids)
 
 
 def step_meter(accelerator, checked, model, args, total_steps: int, start):
@@ -72,7 +86,7 @@ def stopped(accelerator, checked, stop, step, total_steps: int, checkpoint: Path
 
 def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps: int, split: DataSplit,
            evals: list[dict], saved_to: Path | None, batch: dict, details: dict | None = None,
-           training: dict | None = None) -> None:
+           training: dict | None = None, samples: list[dict] | None = None) -> None:
     """Close the ``meter``, write ``run_record.json`` and ``run_info.json``, print the summary, leave the
     process group, release the output folder. Every rank calls it.
 
@@ -81,9 +95,11 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     planned; ``evals``: every validation (:func:`validation`); ``saved_to``: what the run saved (model or
     adapter); ``batch``: micro_batch_size, grad_accum, gradient_checkpointing, recompute_every, compiled
     (:func:`batch_shape`); ``details``: recipe-specific facts for run_info.json; ``training``: more
-    run-record training fields (e.g. ``packing``)."""
+    run-record training fields (e.g. ``packing``); ``samples``: the sample answers (training.samples.report).
+    Rank 0 also writes ``heldout.jsonl`` (the held-out rows) and the model card of what was saved."""
     from accelerate.utils import gather_object
 
+    from finetune_kit import model_card
     from finetune_kit.metering import peak_memory
     from finetune_kit.metering import run_record as record
     from finetune_kit.models import chunked_loss
@@ -110,7 +126,10 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
                       if chunks else "none",
                       "offload_activations": bool(getattr(args, "offload_activations", False)), **(training or {})})
         run_record.data = split.counts
+        run_record.samples = samples or None
         run_record.write(checked.output / "run_record.json")
+        if split.heldout:
+            _write_jsonl(checked.output / "heldout.jsonl", split.heldout)
         record.RunInfo(
             recipe=checked.recipe, model=args.model, devices=acc.num_processes, nodes=env.num_nodes(),
             engine=checked.engine, zero_stage=checked.zero_stage,
@@ -122,18 +141,32 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             micro_batch_size=batch["micro_batch_size"], grad_accum=batch["grad_accum"],
             saved_to=str(saved_to or ""), peak_memory=peak_memory.peaks(),
             memory_plan=checked.memory_plan.to_dict(), ranks=ranks, details=details or {},
+            settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                      for k, v in checked.script_args.items()},
             finished_at=record.now(),
         ).write(checked.output / "run_info.json")
+        cards = model_card.write(checked.output)
         evaluated = f"validation {describe_eval(final)}" if final else "no validation split"
         out = checked.output
         print(f"done: {steps} steps, {evaluated}, {rates.total_tokens:,} tokens trained "
               f"in this session, {f'{Path(saved_to).name} saved to {saved_to}' if saved_to else 'nothing saved'}\n"
-              f"per-step loss, tokens/s and memory: {out / 'metrics.jsonl'}; run record: {out / 'run_record.json'}")
+              f"per-step loss, tokens/s and memory: {out / 'metrics.jsonl'}; run record: {out / 'run_record.json'}"
+              + "".join(f"\nmodel card: {card}" for card in cards))
     # Every rank leaves the process group together, before the interpreter exits: a rank that tears
     # down its gloo connections while another still writes can die at exit with SIGABRT.
     acc.wait_for_everyone()
     acc.end_training()
     output_lock.release(checked.output)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    import json
+
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    partial.replace(path)  # whole or not at all
 
 
 def batch_shape(args) -> dict:

@@ -1,0 +1,239 @@
+"""The model card: ``README.md`` in each folder a run saved (``model/``, ``adapter/``, ``merged/``), ready to publish.
+
+A Hugging Face model card, generated from the run's own files, never typed: YAML front matter (``base_model``,
+``library_name``, ``pipeline_tag``, ``tags``, ``datasets`` by hub name or the data file's sha256), then how
+to load it, the recipe and its settings, the data counts, the throughput and memory measured during the run,
+the validation and ``make eval``'s results (``eval/summary.json``) and the sample answers (``samples.jsonl``).
+Written at the end of a run (rank 0) and again by the evaluation harness and the merged export, so the card
+always says what the folder's run folder holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FOLDERS = ("model", "adapter", "merged")
+PROJECT = "finetune-kit"
+
+
+def write(run: Path) -> list[Path]:
+    """Write ``README.md`` into every saved folder of the run folder ``run``; return their paths."""
+    run = Path(run)
+    facts = _facts(run)
+    if facts is None:
+        return []
+    written = []
+    for name in FOLDERS:
+        folder = run / name
+        if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
+            card = folder / "README.md"
+            card.write_text(render(name, facts))
+            written.append(card)
+    return written
+
+
+def _facts(run: Path) -> dict | None:
+    def read(name: str):
+        path = run / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    record, info = read("run_record.json"), read("run_info.json")
+    if record is None or info is None:
+        return None
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()] \
+        if (run / "samples.jsonl").is_file() else []
+    return {"record": record, "info": info, "samples": samples, "evaluation": read("eval/summary.json")}
+
+
+def render(folder: str, facts: dict) -> str:
+    """The card of the run's ``folder`` (``model``, ``adapter`` or ``merged``)."""
+    record, info = facts["record"], facts["info"]
+    settings = info.get("settings", {})
+    base = info["model"]
+    classifier = record["training"]["method"] != "full" and record["recipe"].endswith("qlora")
+    library = "peft" if folder == "adapter" else "transformers"
+    datasets = _datasets(record, settings)
+    front = ["---"]
+    if _is_hub_id(base):
+        front.append(f"base_model: {base}")
+    front += [f"library_name: {library}", f"pipeline_tag: {'text-classification' if classifier else 'text-generation'}",
+              "tags:", *(f"- {tag}" for tag in _tags(record, folder))]
+    if datasets:
+        front += ["datasets:", *(f"- {name}" for name, _ in datasets)]
+    front.append("---")
+    lines = [*front, "", f"# {record['recipe']}: {Path(base).name} fine-tuned ({_what(record, folder)})", ""]
+    lines += [f"Fine-tuned from `{base}` with the `{record['recipe']}` recipe of {PROJECT} "
+              f"({record['training']['method']} fine-tune, {_engine(record)}, {record['hardware']['devices']} x "
+              f"{record['hardware']['device']}), commit `{record['git_commit']}`, finished {info['finished_at']}.", ""]
+    lines += ["## Use", "", "```python", *_usage(folder, base, classifier), "```", ""]
+    if folder == "merged":
+        lines += ["The adapter merged into the base model loaded in 16-bit (not into the 4-bit weights it trained "
+                  "against: merging into dequantised 4-bit weights would bake the quantisation error in). vLLM and "
+                  "other servers load it as any Hugging Face model of its architecture.", ""]
+    lines += ["## Training", "", "| setting | value |", "|---|---|",
+              *(f"| {k} | {v} |" for k, v in _settings(record, info, settings)), ""]
+    if datasets:
+        lines += ["## Data", "", *(f"- {name}: {what}" for name, what in datasets)]
+        data = record.get("data")
+        if data:
+            lines += [f"- {data['rows']} rows ({data['format']}, chat template {data['chat_template']}) -> "
+                      f"{data['examples']} examples, {data['truncated']} truncated at a turn, "
+                      f"{data['dropped_too_long']} dropped as too long; {data['learnt_tokens']:,} of "
+                      f"{data['tokens']:,} tokens carry loss"]
+        lines += [f"- {info['train_examples']} training {'reviews' if classifier else 'sequences'}, "
+                  f"{len(info.get('eval_example_ids', []))} held out for validation", ""]
+    lines += ["## Speed and memory (measured during this run)", "", "| metric | value |", "|---|---|",
+              *(f"| {k} | {v} |" for k, v in _measured(record)), ""]
+    lines += _evaluation(info, facts["evaluation"])
+    lines += _samples(facts["samples"])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not Path(name).expanduser().exists() and not name.startswith((".", "/", "~"))
+
+
+def _tags(record: dict, folder: str) -> list[str]:
+    t = record["training"]
+    tags = [PROJECT, record["recipe"], "llama", t["method"], t.get("engine", "deepspeed")]
+    if t.get("engine", "deepspeed") == "deepspeed":
+        tags.append(f"zero-{t['zero_stage']}")
+    if folder == "adapter":
+        tags.append("lora")
+    return tags
+
+
+def _datasets(record: dict, settings: dict) -> list[tuple[str, str]]:
+    """``(front-matter name, what)`` per data source: a hub dataset by name, a local file by its sha256."""
+    sources = settings.get("data")
+    if isinstance(sources, str) and sources.startswith("["):  # a list of files, recorded as its text
+        sources = [s.strip(" '\"") for s in sources.strip("[]").split(",")]
+    out = []
+    for source in [sources] if isinstance(sources, str) else sources or []:
+        path = Path(source).expanduser()
+        if path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            out.append((f"sha256:{digest}", f"local file `{path.name}`, sha256 {digest}"))
+        elif path.suffix.lower() in (".jsonl", ".json", ".csv"):
+            out.append((f"file:{path.name}", f"local file `{path.name}` (no longer at {source})"))
+        else:
+            out.append((source, f"hub dataset `{source}`"))
+    return out
+
+
+def _engine(record: dict) -> str:
+    t = record["training"]
+    offload = "" if t["offload"] == "none" else f", {t['offload']} offloaded"
+    return ("FSDP2" if t.get("engine") == "fsdp2" else f"DeepSpeed ZeRO-{t['zero_stage']}") + offload
+
+
+def _what(record: dict, folder: str) -> str:
+    return {"model": "consolidated 16-bit weights", "adapter": "LoRA adapter and classification head",
+            "merged": "adapter merged into the 16-bit base"}[folder]
+
+
+def _usage(folder: str, base: str, classifier: bool) -> list[str]:
+    here = f'"path/to/{folder}"'
+    if classifier and folder == "adapter":
+        return ["import torch", "from peft import PeftModel",
+                "from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
+                f'base = AutoModelForSequenceClassification.from_pretrained("{base}", num_labels=2, '
+                "dtype=torch.bfloat16)",
+                f"model = PeftModel.from_pretrained(base, {here})  # the LoRA weights and the trained head",
+                f"tokenizer = AutoTokenizer.from_pretrained({here})",
+                'label = model(**tokenizer("Great value, works perfectly.", return_tensors="pt")).logits.argmax(-1)',
+                "print(['negative', 'positive'][label.item()])"]
+    if classifier:
+        return ["from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
+                f"model = AutoModelForSequenceClassification.from_pretrained({here})",
+                f"tokenizer = AutoTokenizer.from_pretrained({here})",
+                'label = model(**tokenizer("Great value, works perfectly.", return_tensors="pt")).logits.argmax(-1)',
+                "print(['negative', 'positive'][label.item()])"]
+    return ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+            f"model = AutoModelForCausalLM.from_pretrained({here})",
+            f"tokenizer = AutoTokenizer.from_pretrained({here})  # the chat template it trained with",
+            'messages = [{"role": "user", "content": "What is the capital of Morocco?"}]',
+            'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
+            "return_dict=True)",
+            "out = model.generate(**inputs, max_new_tokens=128)  # generation_config.json stops at the end of turn",
+            "print(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))"]
+
+
+def _settings(record: dict, info: dict, settings: dict) -> list[tuple[str, object]]:
+    t = record["training"]
+
+    def first(*keys):
+        return next((settings[k] for k in keys if settings.get(k) is not None), None)
+
+    data_parallel = t["global_batch_size"] // max(1, t["micro_batch_size"] * t["grad_accum"])
+    rows = [("method", t["method"]), ("engine", _engine(record)), ("precision", info["precision"]),
+            ("devices x nodes", f"{record['hardware']['devices']} x {record['hardware']['nodes']}"),
+            ("sequence length (tokens)", t["seq_len"]), ("packing", t.get("packing", False)),
+            ("micro-batch x accumulation x data-parallel ranks",
+             f"{t['micro_batch_size']} x {t['grad_accum']} x {data_parallel}"),
+            ("global batch (sequences)", t["global_batch_size"]),
+            ("peak learning rate", first("lr", "learning_rate")), ("schedule", first("lr_scheduler_type") or "cosine"),
+            ("warm-up", first("warmup_ratio", "warmup_steps")), ("weight decay", first("weight_decay")),
+            ("epochs", first("epochs", "num_train_epochs")), ("optimizer steps", f"{info['steps']} of "
+                                                                                 f"{info['total_steps']}"),
+            ("activation checkpointing", t["gradient_checkpointing"]), ("seed", first("seed"))]
+    lora = info.get("details", {}).get("lora")
+    if lora:
+        rows.append(("LoRA", f"rank {lora['rank']}, alpha {lora['alpha']}, dropout {lora['dropout']}, "
+                             f"targets {lora['targets']}"))
+    for key in ("sequence_parallel", "fp8"):
+        if t.get(key) not in (None, 1, False, "none"):
+            rows.append((key.replace("_", " "), t[key]))
+    return [(k, v) for k, v in rows if v is not None]
+
+
+def _measured(record: dict) -> list[tuple[str, str]]:
+    m, hw = record["measured"], record["hardware"]
+    rows = [("device", f"{hw['devices']} x {hw['device']}")]
+    for key, label, fmt in (("tokens_per_s", "tokens/s (all devices)", "{:,.0f}"),
+                            ("tokens_per_s_per_device", "tokens/s per device", "{:,.0f}"),
+                            ("mfu_percent", "MFU (%)", "{:.1f}"), ("step_time_s", "step time (s)", "{:.2f}"),
+                            ("peak_gpu_reserved_GiB", "peak GPU memory reserved (GiB)", "{:.1f}"),
+                            ("peak_host_rss_GiB_per_node", "peak host memory per node (GiB)", "{:.1f}")):
+        if m.get(key) is not None:
+            rows.append((label, fmt.format(m[key])))
+    rows.append(("steps measured", f"{m['steps_measured']} (first {m['warmup_steps_excluded']} left out)"))
+    return rows
+
+
+def _evaluation(info: dict, summary: dict | None) -> list[str]:
+    lines = ["## Evaluation", ""]
+    if info.get("eval_loss") is not None:
+        accuracy = f", accuracy {info['eval_accuracy']:.3f}" if info.get("eval_accuracy") is not None else ""
+        lines.append(f"Validation at the end of training: loss {info['eval_loss']:.4f} (nats/token){accuracy} on "
+                     f"{len(info.get('eval_example_ids', []))} held-out rows.")
+    if summary:
+        lines += ["", f"lm-evaluation-harness {summary.get('lm_eval', '')} on `{summary.get('model', '')}` "
+                      f"({summary.get('device', '')}, {summary.get('dtype', '')}):", "",
+                  "| task | metric | value |", "|---|---|---|"]
+        for task, metrics in summary.get("tasks", {}).items():
+            for metric, value in metrics.items():
+                lines.append(f"| {task} | {metric} | {value:.4g} |" if isinstance(value, float)
+                             else f"| {task} | {metric} | {value} |")
+    elif info.get("eval_loss") is None:
+        lines.append("No validation split; `make eval RUN=<run folder>` evaluates the saved model.")
+    return [*lines, ""]
+
+
+def _samples(samples: list[dict]) -> list[str]:
+    if not samples:
+        return []
+    before = any("before" in s for s in samples)
+    lines = ["## Sample answers (greedy, held-out prompts)", "",
+             "| prompt | reference | " + ("before training | " if before else "") + "answer |",
+             "|---|---|" + ("---|" if before else "") + "---|"]
+    for s in samples:
+        cells = [s["prompt"], s.get("reference") or "", *([s.get("before", "")] if before else []), s["answer"]]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return [*lines, ""]
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")[:300]

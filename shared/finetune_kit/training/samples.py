@@ -1,0 +1,154 @@
+"""Sample answers: what the model says to a few held-out prompts, after training and (``--sample-before``) before.
+
+A validation loss says the model fits the held-out answers better; a sample says what it answers. At the end
+of a run the final model answers ``--samples`` prompts (the first held-out rows, or every row of
+``--sample-prompts FILE``), rendered with the chat template the run trained with, greedy, at most
+``--sample-tokens`` new tokens each, stopping at the template's end of turn. They are printed, written to
+``samples.jsonl`` in the run folder and kept in the run record; ``--sample-before`` answers the same prompts
+with the model as loaded, before the first step, so the change shows side by side.
+
+Where the weights are sharded (ZeRO-3, FSDP2) every rank generates the same batch with ``synced_gpus``: each
+forward gathers the layers' weights as training does, one layer at a time, so no rank ever holds the whole
+model; it costs one all-gather of the weights per generated token (``--sample-tokens`` forwards for the whole
+batch: seconds on NVLink for an 8B; the log says how long it took). Attention runs through SDPA while
+generating (the packed-rows and sequence-parallel kernels expect training's inputs) and is restored after.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune_kit.launch import env
+
+PROMPT_CHARS = 70  # of a prompt or answer, on the printed side-by-side lines
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt to answer: the conversation up to the answer, rendered and tokenised, and the reference."""
+
+    example_id: int | None  # the source row (held-out rows), or None (a --sample-prompts file)
+    messages: list[dict]  # up to the last user turn
+    text: str  # rendered with the generation prompt
+    input_ids: list[int]
+    reference: str | None  # the row's own answer, when it has one
+
+
+def sample_prompts(args, heldout: list[dict], tokenizer, template) -> list[Prompt]:
+    """The prompts of this run: every row of ``args.sample_prompts`` (any supported data format), or the first
+    ``args.samples`` held-out conversations (``heldout``: :func:`finetune_kit.data.heldout_rows`). Each is
+    cut before its last assistant turn, which becomes the reference."""
+    from finetune_kit.data import instructions, templates
+
+    if not args.samples:
+        return []
+    if args.sample_prompts:
+        rows = instructions.load_rows(args.sample_prompts)
+        conversations = [{"example_id": None, "messages": rows.format.to_messages(row)} for row in rows.rows]
+    else:
+        conversations = heldout[: args.samples]
+    prompts = []
+    for row in conversations:
+        messages, reference = row["messages"], None
+        if messages and messages[-1]["role"] == "assistant":
+            messages, reference = messages[:-1], messages[-1]["content"]
+        text = templates.render(tokenizer, template, messages, generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(row["example_id"], messages, text, ids, reference))
+    return prompts
+
+
+def answer(accelerator, model, tokenizer, template, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+    """Greedy answers of ``model`` (prepared or not) to ``prompts``, one batch, left-padded; every rank calls
+    and gets the same answers. The model is back in training mode afterwards."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import GenerationConfig
+
+    from finetune_kit.data.templates import end_of_turn_ids
+
+    if not prompts:
+        return []
+    net = accelerator.unwrap_model(model)
+    sharded = any(hasattr(p, "ds_id") or isinstance(p.data, DTensor) for p in net.parameters())  # ZeRO-3, FSDP2
+    if not sharded and next(net.parameters()).device != accelerator.device:  # the HF Trainer places it later
+        net.to(accelerator.device)
+    device = next(net.parameters()).device
+    longest = max(len(p.input_ids) for p in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (longest - len(p.input_ids)) + p.input_ids for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p.input_ids)) + [1] * len(p.input_ids) for p in prompts],
+                        device=device)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_of_turn_ids(
+        tokenizer, template), pad_token_id=pad, use_cache=True)
+    attention = net.config._attn_implementation
+    was_training = model.training
+    model.eval()
+    net.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            out = net.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
+                               synced_gpus=sharded and accelerator.num_processes > 1)
+    finally:
+        net.set_attn_implementation(attention)
+        model.train(was_training)
+    return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out.tolist()]
+
+
+def answers_before(accelerator, model, tokenizer, template, prompts: list[Prompt], args, resumed: bool):
+    """``--sample-before``: the answers of the model as loaded, before the first step (None when not asked, or
+    when the run resumed: its model is no longer the one loaded)."""
+    if not (args.sample_before and prompts):
+        return None
+    if resumed:
+        accelerator.print("--sample-before: skipped, the run resumed from a checkpoint (the answers before training "
+                          "are those of its first launch)")
+        return None
+    return _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "model as loaded")
+
+
+def sample_answers(accelerator, model, tokenizer, template, prompts: list[Prompt], args, output: Path,
+                   before: list[str] | None = None) -> list[dict]:
+    """The final model's answers to ``prompts``, printed beside ``before`` and written to ``samples.jsonl``
+    (:func:`report`); the rows, for the run record."""
+    after = _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "final model")
+    return report(output, prompts, after, before)
+
+
+def _timed(accelerator, model, tokenizer, template, prompts, max_new_tokens: int, what: str) -> list[str]:
+    started = time.perf_counter()
+    answers = answer(accelerator, model, tokenizer, template, prompts, max_new_tokens)
+    if prompts:
+        accelerator.print(f"sample answers of the {what}: {len(prompts)} prompts, at most {max_new_tokens} new tokens "
+                          f"each, {time.perf_counter() - started:.1f} s")
+    return answers
+
+
+def report(output: Path, prompts: list[Prompt], after: list[str], before: list[str] | None = None) -> list[dict]:
+    """Print the prompts with their answers (and the answers before training) and write ``samples.jsonl``
+    (rank 0); return the rows, for the run record."""
+    rows = [{"example_id": p.example_id, "prompt": p.messages[-1]["content"] if p.messages else "",
+             "reference": p.reference, "answer": a, **({"before": before[i]} if before else {})}
+            for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
+    if not rows or not env.is_main_rank():
+        return rows
+    with (Path(output) / "samples.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    print(f"\nsample answers ({len(rows)}, greedy; {Path(output) / 'samples.jsonl'}):")
+    for row in rows:
+        print(f"  prompt:    {_short(row['prompt'])}")
+        if row["reference"] is not None:
+            print(f"  reference: {_short(row['reference'])}")
+        if "before" in row:
+            print(f"  before:    {_short(row['before'])}")
+        print(f"  after:     {_short(row['answer'])}\n")
+    return rows
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= PROMPT_CHARS else text[: PROMPT_CHARS - 3] + "..."
