@@ -237,9 +237,11 @@ def demo(session: nox.Session) -> None:
         "--data", str(ROOT / "shared/finetune_kit/data/samples/instructions.jsonl"),
         "--output", str(output), "--max-seq-len", "256", "--micro-batch-size", "4",
         "--grad-accum", "2", "--epochs", "3", "--lr", "1e-3", "--save-every", "30", "--log-every", "5",
+        "--sample-before",  # the held-out prompts answered before and after: what training changed
         env=env, external=True,
     )
-    session.log(f"demo finished: model in {output / 'model'}, per-step metrics in {output / 'metrics.jsonl'}")
+    session.log(f"demo finished: model in {output / 'model'} (its card: README.md there), sample answers in "
+                f"{output / 'samples.jsonl'}, per-step metrics in {output / 'metrics.jsonl'}")
 
 
 @nox.session(default=False)

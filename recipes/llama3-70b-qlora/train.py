@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----
     if args.merge and adapter_dir and accelerator.is_main_process:
         merged = qlora.merge_adapter(args.model, adapter_dir, checked.output / "merged", dtype=qlora.parse_dtype(
-            args.dtype, "--dtype"))  # the base in --dtype, then the adapter merged into it
+            args.dtype, "--dtype"), labels=reviews.LABELS)  # the base in --dtype, then the adapter merged into it
         print(f"merged model saved to {merged}; model card: {model_card.write(checked.output)[-1]}")
 
 

@@ -269,6 +269,20 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
 
 
+def test_the_trainer_run_answers_samples_and_saves_a_chat_ready_folder_with_its_card(run, run_info):
+    """Under the HF Trainer (ZeRO-2: every rank holds the weights) the final model answers 4 held-out prompts; model/
+    renders Llama 2's template, stops at its </s> (the template's end of turn is the EOS) and has its card."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["example_id"] for s in samples] == run_info["eval_example_ids"][:4] and all(s["answer"] for s in samples)
+    tokenizer = AutoTokenizer.from_pretrained(run / "model")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False).startswith("<s>[INST] Hi")
+    assert GenerationConfig.from_pretrained(run / "model").eos_token_id == [tokenizer.eos_token_id]
+    card = (run / "model/README.md").read_text()
+    assert "- llama2-13b-zero2" in card and "- zero-2" in card and f"{run_info['eval_loss']:.4f}" in card
+
+
 def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, tmp_path):
     """One optimizer step on one process per format besides prompt/response (the runs above), packed;
     the four single-process launches run side by side (most of each is interpreter start-up). The chat

@@ -221,6 +221,43 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     head = next(t for k, t in load_file(output / "adapter/adapter_model.safetensors").items() if "score" in k)
     assert torch.equal(merged.score.weight, head.to(merged.score.weight.dtype))
     assert merged.config.pad_token_id is not None
+    assert merged.config.id2label == {0: "negative", 1: "positive"}
+    assert_merged_classifies_like_base_and_adapter(output, tiny_llama3, merged)
+
+
+MERGED_LOGITS_ATOL = 1e-2  # measured 2.9e-3 (bf16 rounding of W + BA); LoRA updates 10% larger: 3.7e-2
+
+
+def assert_merged_classifies_like_base_and_adapter(output: Path, base: Path, merged) -> None:
+    """merged/ predicts what the 16-bit base with the adapter on top predicts, on the held-out reviews
+    (heldout.jsonl), and its card and the adapter's say what each folder is."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    heldout = [json.loads(line) for line in (output / "heldout.jsonl").read_text().splitlines()]
+    assert heldout and {row["label_name"] for row in heldout} <= {"negative", "positive"}
+    assert [row["example_id"] for row in heldout] == read_run_info(output)["eval_example_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(output / "merged")
+    net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=torch.bfloat16,
+                                                             pad_token_id=tokenizer.pad_token_id)
+    unmerged = PeftModel.from_pretrained(net, output / "adapter").eval()
+    batch = tokenizer([row["text"] for row in heldout], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want, got = unmerged(**batch).logits.float(), merged.eval()(**batch).logits.float()
+    for module in unmerged.modules():  # the negative control: the LoRA updates 10% larger
+        if isinstance(getattr(module, "scaling", None), dict):
+            module.scaling["default"] *= 1.1
+    with torch.no_grad():
+        scaled = unmerged(**batch).logits.float()
+    print(f"merged vs base + adapter: logits within {(want - got).abs().max().item():.2e}; with the updates 10% "
+          f"larger {(scaled - got).abs().max().item():.2e}")
+    assert torch.allclose(got, want, atol=MERGED_LOGITS_ATOL) and torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not torch.allclose(got, scaled, atol=MERGED_LOGITS_ATOL)
+    adapter_card, merged_card = (output / "adapter/README.md").read_text(), (output / "merged/README.md").read_text()
+    assert "library_name: peft" in adapter_card and "PeftModel.from_pretrained" in adapter_card
+    assert "library_name: transformers" in merged_card and "vLLM" in merged_card
 
 
 def test_a_preempted_worker_node_stops_both_nodes_with_a_checkpoint(run, recipe_copy, tiny_llama3, tmp_path):

@@ -213,13 +213,15 @@ def load_adapter_for_eval(base: str, adapter: str | Path, *, pad_token_id: int, 
     return PeftModel.from_pretrained(net, str(adapter)).eval()
 
 
-def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                  labels: dict[int, str] | None = None) -> Path:
     """Fold the adapter into an unquantised ``dtype`` copy of the base and save it.
 
     Merging into 4-bit weights would round the update away, so the base is loaded in
     ``dtype`` (70B in bf16: ~140 GB of host RAM). Run it in a single process, outside
     ZeRO-3 (the process's DeepSpeed config is unset first). The result loads with plain
-    ``AutoModelForSequenceClassification``.
+    ``AutoModelForSequenceClassification``; ``labels`` (class id -> name) go into its config, so a
+    pipeline or a server names its predictions.
     """
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -230,6 +232,8 @@ def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: tor
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
     net.config.pad_token_id = tokenizer.pad_token_id
+    if labels:
+        net.config.id2label, net.config.label2id = dict(labels), {name: i for i, name in labels.items()}
     merged = PeftModel.from_pretrained(net, str(adapter)).merge_and_unload()
     with written_whole(Path(out)) as folder:
         merged.save_pretrained(folder, safe_serialization=True)

@@ -36,13 +36,11 @@ class DataSplit:
 
 
 def _heldout(rows, ids: list[int]) -> list[dict]:
-    if hasattr(rows, "format"):  # instruction rows: conversations
-        from finetune_kit.data.instructions import heldout_rows
+    from finetune_kit.data import instructions, reviews
 
-        return heldout_rows(rows, ids)
-    from finetune_kit.data.reviews import heldout_rows
-
-    return heldout_rows(rows, ids)
+    if isinstance(rows, instructions.InstructionRows):  # conversations
+        return instructions.heldout_rows(rows, ids)
+    return reviews.heldout_rows(rows, ids)  # the reviews' dataset
 
 
 def step_meter(accelerator, checked, model, args, total_steps: int, start):

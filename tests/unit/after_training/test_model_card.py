@@ -1,0 +1,89 @@
+"""The model card is generated from a run folder's files: front matter a hub reads, the facts of the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from finetune_kit import model_card
+
+
+def write_run(run, *, recipe: str, method: str, model: str, data: str, folders: tuple[str, ...], **info_extra):
+    """A run folder with the records a finished run writes (the fields the card reads)."""
+    run.mkdir(parents=True, exist_ok=True)
+    record = {
+        "recipe": recipe, "git_commit": "abc123", "hardware": {"device": "NVIDIA H100 80GB HBM3", "devices": 8,
+                                                                "nodes": 2},
+        "training": {"method": method, "zero_stage": 3, "engine": "deepspeed", "offload": "none", "seq_len": 512,
+                     "micro_batch_size": 4, "grad_accum": 4, "global_batch_size": 128,
+                     "gradient_checkpointing": True, "packing": False},
+        "measured": {"steps_total": 30, "steps_measured": 27, "warmup_steps_excluded": 3, "tokens_per_s": 12345.6,
+                     "tokens_per_s_per_device": 1543.2, "mfu_percent": 38.9, "step_time_s": 5.3,
+                     "peak_gpu_reserved_GiB": 61.2, "peak_host_rss_GiB_per_node": 40.0},
+        "data": None}
+    info = {"recipe": recipe, "model": model, "precision": "bf16", "steps": 30, "total_steps": 30,
+            "train_examples": 900, "eval_example_ids": list(range(100)), "eval_loss": 0.2345, "eval_accuracy": 0.91,
+            "finished_at": "2026-11-26T12:00:00+0000",
+            "settings": {"data": data, "lr": 1e-4, "epochs": 1, "warmup_ratio": 0.03, "weight_decay": 0.0,
+                         "seed": 42}, **info_extra}
+    (run / "run_record.json").write_text(json.dumps(record))
+    (run / "run_info.json").write_text(json.dumps(info))
+    for name in folders:
+        (run / name).mkdir()
+        (run / name / ("adapter_config.json" if name == "adapter" else "config.json")).write_text("{}")
+    return run
+
+
+def front_and_body(card: str) -> tuple[dict, str]:
+    _, front, body = card.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def test_a_classifier_run_gets_an_adapter_card_and_a_merged_card(tmp_path):
+    reviews = tmp_path / "reviews.csv"
+    reviews.write_text("rating,text\n5,great\n1,bad\n")
+    run = write_run(tmp_path / "run", recipe="llama3-70b-qlora", method="qlora",
+                    model="meta-llama/Llama-3.3-70B-Instruct", data=str([str(reviews)]),
+                    folders=("adapter", "merged"),
+                    details={"lora": {"rank": 16, "alpha": 32, "dropout": 0.05, "targets": "all-linear"}})
+    cards = model_card.write(run)
+    assert cards == [run / "adapter/README.md", run / "merged/README.md"]
+    adapter, body = front_and_body(cards[0].read_text())
+    assert adapter["base_model"] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert (adapter["library_name"], adapter["pipeline_tag"]) == ("peft", "text-classification")
+    assert {"lora", "qlora", "zero-3", "llama3-70b-qlora"} <= set(adapter["tags"])
+    import hashlib
+
+    assert adapter["datasets"] == [f"sha256:{hashlib.sha256(reviews.read_bytes()).hexdigest()}"]
+    assert "PeftModel.from_pretrained(base" in body and "AutoModelForSequenceClassification" in body
+    assert "| LoRA | rank 16, alpha 32, dropout 0.05, targets all-linear |" in body
+    assert "| micro-batch x accumulation x data-parallel ranks | 4 x 4 x 8 |" in body
+    assert "| tokens/s (all devices) | 12,346 |" in body and "| MFU (%) | 38.9 |" in body
+    assert "loss 0.2345 (nats/token), accuracy 0.910 on 100 held-out rows" in body
+    merged, body = front_and_body(cards[1].read_text())
+    assert merged["library_name"] == "transformers" and "vLLM" in body and "PeftModel" not in body
+
+
+def test_a_hub_dataset_is_named_and_the_evaluation_summary_is_shown(tmp_path):
+    run = write_run(tmp_path / "run", recipe="llama3-8b-zero3", method="full", model="meta-llama/Meta-Llama-3-8B",
+                    data="tatsu-lab/alpaca", folders=("model",))
+    (run / "eval").mkdir()
+    (run / "eval/summary.json").write_text(json.dumps({
+        "model": str(run / "model"), "lm_eval": "0.4.13", "device": "cuda", "dtype": "bfloat16",
+        "tasks": {"heldout": {"perplexity": 1.2642, "loss": 0.2344}}}))
+    (run / "samples.jsonl").write_text(json.dumps({"example_id": 3, "prompt": "Name a | pipe", "reference": "x",
+                                                   "answer": "A pipe: |"}) + "\n")
+    meta, body = front_and_body(model_card.render("model", model_card._facts(run)))
+    assert meta["datasets"] == ["tatsu-lab/alpaca"] and meta["pipeline_tag"] == "text-generation"
+    assert "| heldout | perplexity | 1.264 |" in body and "lm-evaluation-harness 0.4.13" in body
+    assert "| Name a \\| pipe | x | A pipe: \\| |" in body  # a table cell's pipes are escaped
+
+
+@pytest.mark.parametrize("missing", ["run_record.json", "run_info.json"])
+def test_no_card_without_the_run_records(tmp_path, missing):
+    run = write_run(tmp_path / "run", recipe="llama3-8b-zero3", method="full", model="/models/x", data="d.jsonl",
+                    folders=("model",))
+    (run / missing).unlink()
+    assert model_card.write(run) == [] and not (run / "model/README.md").exists()

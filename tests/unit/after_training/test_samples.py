@@ -1,0 +1,59 @@
+"""Which prompts a run answers, and what it writes of the answers."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from tests.harness import write_jsonl
+
+
+def args(**kw):
+    return SimpleNamespace(**{"samples": 2, "sample_prompts": None, "sample_before": False, "sample_tokens": 16, **kw})
+
+
+def test_the_first_held_out_rows_are_cut_before_their_last_answer(tiny_llama3):
+    from transformers import AutoTokenizer
+
+    from finetune_kit.data import templates
+    from finetune_kit.training.samples import sample_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama3)
+    template = templates.resolve("auto", tokenizer)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": "Lima."}]
+    heldout = [{"example_id": 7, "messages": chat}, {"example_id": 2, "messages": chat[:2]},
+               {"example_id": 9, "messages": chat[:2]}]
+    prompts = sample_prompts(args(), heldout, tokenizer, template)
+    assert [(p.example_id, p.reference) for p in prompts] == [(7, "Lima."), (2, "Hello.")]
+    assert prompts[0].messages == chat[:3]
+    assert prompts[0].text == templates.render(tokenizer, template, chat[:3], generation_prompt=True)
+    assert prompts[0].text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert prompts[0].input_ids == tokenizer(prompts[0].text, add_special_tokens=False)["input_ids"]
+    assert sample_prompts(args(samples=0), heldout, tokenizer, template) == []
+
+
+def test_a_prompts_file_is_answered_whole_in_any_format(tiny_llama3, tmp_path):
+    from transformers import AutoTokenizer
+
+    from finetune_kit.data import templates
+    from finetune_kit.training.samples import sample_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama3)
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"instruction": f"Say {i}", "input": "", "output": f"{i}"}
+                                                    for i in range(5)])  # Alpaca rows
+    prompts = sample_prompts(args(sample_prompts=path), [], tokenizer, templates.resolve("auto", tokenizer))
+    assert [(p.example_id, p.messages[-1]["content"], p.reference) for p in prompts] == \
+        [(None, f"Say {i}", f"{i}") for i in range(5)]
+
+
+def test_report_writes_the_answers_beside_the_references(tmp_path, capsys):
+    from finetune_kit.training.samples import Prompt, report
+
+    prompts = [Prompt(4, [{"role": "user", "content": "Capital of Peru?"}], "", [], "Lima.")]
+    rows = report(tmp_path, prompts, ["Lima, on the coast."], ["zzz"])
+    assert rows == [{"example_id": 4, "prompt": "Capital of Peru?", "reference": "Lima.",
+                     "answer": "Lima, on the coast.", "before": "zzz"}]
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == rows
+    printed = capsys.readouterr().out
+    assert "reference: Lima." in printed and "before:    zzz" in printed and "after:     Lima, on the coast." in printed
