@@ -70,7 +70,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
-	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock gpu-check gpu-bundle wheelhouse \
+	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge gpu-check gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
 help: ## this list
@@ -111,6 +111,13 @@ unit: $(NOX) ## unit tests of the shared package and the shipped configs
 # Tables and plot in results/ come only from results/published.csv and results/runs/*.json.
 results: $(NOX) ## regenerate results/README.md and its plot from the run records
 	$(NOX) -s results
+
+# After a QLoRA run: the adapter merged into the base loaded in 16-bit (not into the 4-bit weights it trained
+# against), in RUN/merged with its model card. One process, host RAM for the 16-bit base (70B: ~140 GB), no GPU.
+RUN ?=
+merge: ## merge a QLoRA run's adapter into its 16-bit base: RUN=out/llama3-70b-qlora [MERGE_ARGS="--dtype bfloat16"]
+	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished llama3-70b-qlora run>."; exit 2; }
+	$(PYTHON) -m finetune_kit.merge "$(abspath $(RUN))" $(MERGE_ARGS)
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).

@@ -260,6 +260,36 @@ def assert_merged_classifies_like_base_and_adapter(output: Path, base: Path, mer
     assert "library_name: transformers" in merged_card and "vLLM" in merged_card
 
 
+def test_make_merge_exports_a_run_that_finished_without_merging(run, tiny_llama3, tmp_path):
+    """`make merge RUN=...` on a copy of a finished run: merged/ as --merge writes it, with its card."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    assert not (copy / "merged").exists()
+    proc, = wait_all([make_target("merge", f"RUN={copy}")], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"merged model saved to {copy / 'merged'}" in proc.stdout
+    assert_merged_classifies_like_base_and_adapter(copy, tiny_llama3,
+                                                   AutoModelForSequenceClassification.from_pretrained(copy / "merged"))
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("adapter", "holds no adapter/adapter_config.json: merging needs the adapter a QLoRA run saved"),
+    ("run_info.json", "has no run_info.json to read the base model from. Pass --base"),
+])
+def test_merge_names_what_the_run_folder_lacks(missing, message, run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", missing))
+    proc = subprocess.run([sys.executable, "-m", "finetune_kit.merge", str(copy)], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (copy / "merged").exists()
+
+
 def test_a_preempted_worker_node_stops_both_nodes_with_a_checkpoint(run, recipe_copy, tiny_llama3, tmp_path):
     """SIGTERM to the worker node's training processes only: both nodes stop after the same step
     with one checkpoint and both launchers exit 0; the same two commands then finish the run with
