@@ -84,12 +84,11 @@ def main(argv=None) -> None:
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
     split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows
-    prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples, answered at the end
+    prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples: answered at the end
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     collate = training.shard_sequences(data.PackedCollator() if args.pack else pad, sp, tokenizer.pad_token_id)
     train_dl = training.shard_loader(accelerator, DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
                                                              collate_fn=collate), sp)  # one slice per rank of a group
-    eval_dl = DataLoader(eval_set, batch_size=args.micro_batch_size, collate_fn=pad) if eval_set else None
     schedule = training.Schedule.plan(len(train_set), args, sp.data_ranks)  # steps per epoch, in all
 
     # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
@@ -109,21 +108,20 @@ def main(argv=None) -> None:
     # ---- 5. Optimizer from the JSON ("auto" filled here; FSDP2: AdamW), cosine schedule with warm-up ----
     optimizer, scheduler = training.optimizer_and_schedule(model.parameters(), checked, args, schedule.total_steps)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    eval_dl = accelerator.prepare(eval_dl) if eval_dl is not None else None
+    eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
     checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
     start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
     meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
     before = training.answers_before(accelerator, model, tokenizer, template, prompts, args, resumed=start.step > 0)
+    model.train()
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
-    model.train()
     for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
         grad_norm = None
         for batch in step.micro_batches:
             with accelerator.accumulate(model):
                 with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
-                    # the token losses of this micro-batch, summed, over the labelled tokens of the whole step on
-                    # all ranks: the step's loss is their token mean, however the batch is split
+                    # its token losses summed over the whole step's labelled tokens: one mean however it is split
                     loss = model(**batch, num_items_in_batch=step.labelled).loss
                 accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
                 if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both give the norm
@@ -142,7 +140,7 @@ def main(argv=None) -> None:
     model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model", template) \
         if args.save_model else None  # generation_config.json stops at the chat template's end of turn
     evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
-        if eval_dl is not None else []
+        if eval_set else []
     samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked.output, before)
     training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
                     split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),

@@ -15,7 +15,7 @@ TOOLS = SHARED / "tools/finetune_tools"  # the tools over the repository; may us
 # bottom to top; one rank may hold several packages, which then must not use each other
 LAYERS = [
     ("errors",),
-    ("outputs", "output_lock"),
+    ("outputs", "output_lock", "model_card"),  # model_card: a saved folder's README.md, from the run's files
     ("data",),
     ("models",),
     ("launch",),
@@ -23,6 +23,7 @@ LAYERS = [
     ("planning",),  # the memory check: model shapes, the launched configs
     ("check",),
     ("training",),
+    ("harness", "merge"),  # python -m finetune_kit.harness / .merge: evaluate, merge what a finished run saved
 ]
 TOOL_LAYERS = [
     ("paths", "tables", "tiny_models", "samples", "deepspeed_configs"),
