@@ -68,8 +68,12 @@ STEPS, SAVE_EVERY = 8, 4
 
 
 def sizes(model: Path, data: Path = SAMPLE) -> list[str]:
+    """The tests' sizes; no sample answers (seconds per launch) but where a test reads them (SAMPLES_ON)."""
     return ["--model", str(model), "--data", str(data), "--max-seq-len", "128",
-            "--micro-batch-size", "4", "--grad-accum", "2", "--lr", "1e-3"]
+            "--micro-batch-size", "4", "--grad-accum", "2", "--lr", "1e-3", "--samples", "0"]
+
+
+SAMPLES_ON = ("--samples", "4")  # the recipe's default
 
 
 def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int = 2):
@@ -84,7 +88,7 @@ def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess
     output = tmp_path_factory.mktemp("runs") / "fresh"
     before = set(Path("/dev/shm").glob(SHM_BUFFERS))
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", "--sample-before")
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", *SAMPLES_ON, "--sample-before")
     left = sorted(set(Path("/dev/shm").glob(SHM_BUFFERS)) - before)
     assert_finished(proc, STEPS)
     return proc, output, left
@@ -331,7 +335,7 @@ def fsdp_run(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
     """The ZeRO-3 run's command with the FSDP2 launch config instead: nothing else changes."""
     output = tmp_path_factory.mktemp("runs") / "fsdp2"
     proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", config=FSDP_CONFIG)
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", *SAMPLES_ON, config=FSDP_CONFIG)
     assert_finished(proc, STEPS, "FSDP2")
     assert "FSDP2 (full sharding; fp32 weights, bf16 compute, fp32 gradient reduction)" in proc.stdout
     return output
