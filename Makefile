@@ -70,7 +70,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
-	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge gpu-check gpu-bundle wheelhouse \
+	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge eval gpu-check gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
 help: ## this list
@@ -118,6 +118,17 @@ RUN ?=
 merge: ## merge a QLoRA run's adapter into its 16-bit base: RUN=out/llama3-70b-qlora [MERGE_ARGS="--dtype bfloat16"]
 	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished llama3-70b-qlora run>."; exit 2; }
 	$(PYTHON) -m finetune_kit.merge "$(abspath $(RUN))" $(MERGE_ARGS)
+
+# After a run: lm-evaluation-harness on the model the run saved (model/, else merged/, else adapter/ over its base),
+# offline (docs/evaluation.md). TASKS: heldout (the run's held-out rows as a local task) and any lm-eval task whose
+# data is on this machine; results in RUN/eval/ (summary.json, which the model cards show). CPU=1: on the CPUs.
+TASKS ?= heldout
+EVAL_MODEL ?=
+EVAL_ARGS ?=
+eval: ## evaluate a finished run with lm-evaluation-harness: RUN=out/llama3-8b-zero3 [TASKS=heldout,arc_easy] [EVAL_MODEL=folder] [CPU=1] [EVAL_ARGS="--limit 100"]
+	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished run>."; exit 2; }
+	$(PYTHON) -m finetune_kit.harness "$(abspath $(RUN))" --tasks "$(TASKS)" \
+	  $(if $(EVAL_MODEL),--model "$(abspath $(EVAL_MODEL))") $(if $(CPU),--device cpu) $(EVAL_ARGS)
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or
 # `bash docker/install-python-deps.sh && pip install .`).

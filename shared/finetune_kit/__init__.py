@@ -10,6 +10,9 @@
     training/   a run from its input checks to its records: the checks, the loop around the recipe's body (or the
                 metered HF Trainer's), checkpoints and resharding, the final model, the shared flags
     check.py    ``python -m finetune_kit.check``: a launch's inputs checked once, before any rank starts
+    harness/    ``python -m finetune_kit.harness`` (``make eval``): lm-evaluation-harness on a finished run's model
+    model_card.py  each saved folder's README.md, generated from the run's files
+    merge.py    ``python -m finetune_kit.merge`` (``make merge``): a QLoRA adapter merged into its 16-bit base
 
 The tools that work on the repository (the speed model, the results page, the GPU check, the README
 blocks, the tiny test models) are the second package, ``finetune_tools`` (shared/tools/).
