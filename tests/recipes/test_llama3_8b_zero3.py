@@ -323,6 +323,29 @@ def test_the_model_card_is_generated_from_the_run(run, run_info):
     assert all(s["prompt"] in body for s in read_jsonl(run / "samples.jsonl"))
 
 
+HARNESS_VS_RUN_RTOL = 1e-3  # measured 3.5e-5: the run's bf16 forward under ZeRO-3 against the harness's fp32 one
+
+
+def test_make_eval_scores_the_held_out_split_as_the_run_did(run, run_info, tmp_path):
+    """`make eval RUN=...` (lm-evaluation-harness, offline) on a copy of the run: its heldout task is the run's own
+    validation (one-turn rows: the same answer tokens), so its loss is the run's eval_loss; the summary lands in
+    eval/, the run record and the model card. (That the harness counts exactly the labelled tokens, and that one
+    token more or less moves the figure, is tests/unit/harness.)"""
+    import math
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    proc, = wait_all([make_target("eval", f"RUN={copy}")], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((copy / "eval/summary.json").read_text())
+    heldout = summary["tasks"]["heldout"]
+    print(f"harness loss {heldout['loss']:.6f}, the run's eval_loss {run_info['eval_loss']:.6f}")
+    assert heldout["loss"] == pytest.approx(run_info["eval_loss"], rel=HARNESS_VS_RUN_RTOL)
+    assert heldout["perplexity"] == pytest.approx(math.exp(heldout["loss"]))
+    assert json.loads((copy / "run_record.json").read_text())["evaluation"] == summary
+    assert f"| heldout | loss | {heldout['loss']:.4g} |" in (copy / "model/README.md").read_text()
+
+
 # ---- the same train.py under PyTorch FSDP2 (configs/fsdp2.yaml) ----
 
 FSDP_GOLDEN = REPO / "tests/golden/llama3-8b-zero3-fsdp2.json"

@@ -108,3 +108,18 @@ def test_planner_table_states_the_error_against_both_peaks(monkeypatch, tmp_path
     rec.measured.peak_gpu_device_GiB = 46.2 * 1.1
     row = [line for line in report.planner_table([("r", rec)]) if line.startswith("| `r`")][0]
     assert row.endswith("| 46.2 | 40.0 | 44.0 | 50.8 | 15.5 | 5.0 | -9.1 |")
+
+
+def test_evaluated_records_get_a_row_per_task_and_metric(monkeypatch, tmp_path):
+    results = tmp_path / "results"
+    (results / "runs/smoke").mkdir(parents=True)
+    shutil.copy(RESULTS / "published.csv", results)
+    plain = a_record(monkeypatch, tmp_path)
+    plain.write(results / "runs/smoke/not-evaluated.json")
+    evaluated = a_record(monkeypatch, tmp_path)
+    evaluated.evaluation = {"model": "out/model", "lm_eval": "0.4.13", "device": "cpu", "dtype": "float32",
+                            "tasks": {"heldout": {"perplexity": 261.0412, "loss": 5.56468}}}
+    evaluated.write(results / "runs/smoke/evaluated.json")
+    section = report.render(results)[0].split("## Evaluation of the saved models")[1]
+    assert "| `evaluated` | llama3-8b-zero3 | cpu | heldout | perplexity | 261 | 0.4.13 |" in section
+    assert "| heldout | loss | 5.565 |" in section and "not-evaluated" not in section

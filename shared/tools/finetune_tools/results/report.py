@@ -254,6 +254,22 @@ def smoke_table(records: list[tuple[str, RunRecord]]) -> list[str]:
     return lines
 
 
+def evaluation_table(records: list[tuple[str, RunRecord]]) -> list[str]:
+    """Every record's ``evaluation`` (``make eval``: lm-evaluation-harness on the run's saved model), a row per
+    task and metric."""
+    rows = [(name, rec, task, metric, value) for name, rec in records if rec.evaluation
+            for task, metrics in rec.evaluation.get("tasks", {}).items() for metric, value in metrics.items()]
+    if not rows:
+        return ["None recorded yet."]
+    lines = ["| Record | Recipe | Device | Task | Metric | Value | lm-eval | Commit |",
+             "|---|---|---|---|---|--:|---|---|"]
+    for name, rec, task, metric, value in rows:
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| `{name}` | {rec.recipe} | {rec.evaluation.get('device', '')} | {task} | {metric} | {shown} "
+                     f"| {rec.evaluation.get('lm_eval', '')} | `{rec.git_commit[:12]}` |")
+    return lines
+
+
 # ---- plot ----
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -333,6 +349,12 @@ def render(results: Path) -> tuple[str, list[Row]]:
         "## CPU smoke runs", "",
         "CPU runs of the recipes on tiny models: they show the code path and the metering work, "
         "not a speed.", "", *smoke, "",
+        "## Evaluation of the saved models", "",
+        "`make eval RUN=<run folder>` (EleutherAI's lm-evaluation-harness, offline: the run's held-out split as a "
+        "local task, and any task whose data is at hand) adds its summary to the run's `run_record.json`; the "
+        "records here that carry one (`runs/` and `runs/smoke/`). A tiny model's figures show the path works, "
+        "not a quality.", "",
+        *evaluation_table(gpu_records + load_records(results / "runs/smoke")), "",
     ]
     return "\n".join(page), pub_rows + gpu_rows
 
