@@ -72,6 +72,7 @@ def check(run: str, *, model: str | None = None, base: str | None = None, tasks:
           batch_size: int = 8, limit: int | None = None, apply_chat_template: bool = False) -> Evaluation:
     """Every input of ``python -m finetune_kit.harness`` (its flags, same names), checked in the order a user
     fixes them; UserInputError at the first that cannot work."""
+    _harness_installed()
     folder = Path(run).expanduser()
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -89,6 +90,17 @@ def check(run: str, *, model: str | None = None, base: str | None = None, tasks:
                       dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), batch_size=batch_size,
                       limit=limit, apply_chat_template=apply_chat_template,
                       max_length=settings.get("max_seq_len") if isinstance(settings.get("max_seq_len"), int) else None)
+
+
+def _harness_installed() -> None:
+    """lm-eval is in the pinned stack and the images, but not a dependency of ``pip install finetune-kit`` (its
+    scikit-learn and SciPy would ride along to every GPU host): its extra ``[eval]`` adds it."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserInputError("lm-evaluation-harness (lm_eval) is not installed in this Python: evaluation runs it. "
+                             "Install the pinned stack (bash docker/install-python-deps.sh), or "
+                             "pip install 'finetune-kit[eval]' for the harness alone.")
 
 
 def _read_json(path: Path) -> dict:

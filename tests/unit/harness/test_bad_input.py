@@ -90,6 +90,17 @@ CASES = [
 ]
 
 
+def test_without_lm_eval_the_harness_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert main([str(run_folder(tmp_path, rows=CONVERSATION_ROWS))]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "lm-evaluation-harness (lm_eval) is not installed in this Python" in errors[0]
+    assert "pip install 'finetune-kit[eval]'" in errors[0]
+
+
 @pytest.mark.parametrize("argv,message", CASES)
 def test_each_bad_input_is_one_line_with_its_fix(argv, message, tmp_path, monkeypatch, capsys, tiny_llama3,
                                                 tiny_llama2):
