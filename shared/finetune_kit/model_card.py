@@ -236,4 +236,6 @@ def _samples(samples: list[dict]) -> list[str]:
 
 
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")[:300]
+    """One table cell: on one line, without control characters (an untrained model's bytes), pipes escaped."""
+    printable = "".join(ch if ch.isprintable() else " " for ch in str(text))
+    return " ".join(printable.split()).replace("|", "\\|")[:300]

@@ -74,7 +74,7 @@ def test_a_hub_dataset_is_named_and_the_evaluation_summary_is_shown(tmp_path):
         "model": str(run / "model"), "lm_eval": "0.4.13", "device": "cuda", "dtype": "bfloat16",
         "tasks": {"heldout": {"perplexity": 1.2642, "loss": 0.2344}}}))
     (run / "samples.jsonl").write_text(json.dumps({"example_id": 3, "prompt": "Name a | pipe", "reference": "x",
-                                                   "answer": "A pipe: |"}) + "\n")
+                                                   "answer": "A pipe:\b |"}) + "\n")
     meta, body = front_and_body(model_card.render("model", model_card._facts(run)))
     assert meta["datasets"] == ["tatsu-lab/alpaca"] and meta["pipeline_tag"] == "text-generation"
     assert "| heldout | perplexity | 1.264 |" in body and "lm-evaluation-harness 0.4.13" in body
