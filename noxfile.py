@@ -183,6 +183,7 @@ def wheelhouse(session: nox.Session) -> None:
 IMPORT_CHECK = """
 import importlib.metadata as md
 import accelerate, bitsandbytes, datasets, deepspeed, peft, torch, transformers
+import lm_eval, rouge_score, sqlitedict, word2number  # the evaluation harness; the last three built from source
 pins = dict(l.split("==") for l in open("docker/requirements.txt") if "==" in l and not l.startswith("#"))
 for lib in ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsandbytes", "datasets"):
     got = md.version(lib).split("+")[0]

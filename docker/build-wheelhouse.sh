@@ -30,8 +30,10 @@ if [[ -n "$lock" ]]; then
   echo "wheelhouse: $(find "$out" -type f | wc -l) files of $lock, $(du -sh "$out" | cut -f1) in $out"
   exit 0
 fi
+# Pins published as source only (lm-eval's rouge-score, sqlitedict, word2number): built into wheels here.
+sdist_only='rouge-score|sqlitedict|word2number'
 rest="$(mktemp)"
-grep -vE '^(torch|deepspeed)==' "$here/requirements.txt" >"$rest"
+grep -vE "^(torch|deepspeed|$sdist_only)==" "$here/requirements.txt" >"$rest"
 download=(python -m pip download --quiet --dest "$out")
 if ((!no_torch)); then
   "${download[@]}" "$(grep -E '^torch==' "$here/requirements.txt")"  # with its CUDA libraries on GPU platforms
@@ -43,4 +45,6 @@ fi
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "$(grep -E '^torch==' "$here/requirements.txt")"
 python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$out" \
   "$(grep -E '^deepspeed==' "$here/requirements.txt")"
+# shellcheck disable=SC2046  # one argument per pin
+python -m pip wheel --quiet --no-deps --wheel-dir "$out" $(grep -E "^($sdist_only)==" "$here/requirements.txt")
 echo "wheelhouse: $(find "$out" -name '*.whl' | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"
