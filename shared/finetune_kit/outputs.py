@@ -1,5 +1,6 @@
 """Output folders: whether one can be written (:func:`check_writable`), and final outputs (a model, an
-adapter, a merged model) written whole or not at all (:func:`written_whole`)."""
+adapter, a merged model) written whole or not at all (:func:`written_whole`; a single file:
+:func:`write_text_whole`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def written_whole(out: Path, writer: bool = True):
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_text_whole(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through ``<path>.partial`` and a rename: a reader finds the old file or the
+    new one, never half of it."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
+    return path
 
 
 def check_writable(output: Path) -> None:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from finetune_kit.metering.keys import LOSS
+from finetune_kit.outputs import write_text_whole
 
 SUMMARY = "summary.json"
 NOT_METRICS = ("sample_len",)  # lm-eval's count of documents, beside the metrics in its results
@@ -68,13 +69,14 @@ def write_outputs(out: Path, outputs: dict[str, dict], *, model: str, device: st
     tasks: dict[str, dict[str, float]] = {}
     for output in outputs.values():
         for task, documents in (output.pop("samples", None) or {}).items():
-            _write(samples / f"{task}.jsonl", "".join(json.dumps(d, default=handle_non_serializable,
+            write_text_whole(samples / f"{task}.jsonl", "".join(json.dumps(d, default=handle_non_serializable,
                                                                  ensure_ascii=False) + "\n" for d in documents))
         tasks.update(metrics_of(output))
-    _write(out / "results.json", json.dumps(outputs, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    write_text_whole(out / "results.json",
+                     json.dumps(outputs, indent=2, default=handle_non_serializable, ensure_ascii=False))
     summary = {"model": model, "tasks": tasks, "lm_eval": version("lm_eval"), "device": device, "dtype": dtype,
                "limit": limit, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    _write(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    write_text_whole(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -86,14 +88,10 @@ def into_run_record(run: Path, summary: dict) -> bool:
         return False
     record = json.loads(path.read_text())
     record["evaluation"] = summary
-    _write(path, json.dumps(record, indent=2) + "\n")
+    write_text_whole(path, json.dumps(record, indent=2) + "\n")
     return True
 
 
-def _write(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
 
 
 def table(summary: dict) -> str:

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune_kit import output_lock
+from finetune_kit import output_lock, outputs
 from finetune_kit.launch import env
 
 
@@ -127,7 +127,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
         run_record.samples = samples or None
         run_record.write(checked.output / "run_record.json")
         if split.heldout:
-            _write_jsonl(checked.output / "heldout.jsonl", split.heldout)
+            outputs.write_text_whole(checked.output / "heldout.jsonl", jsonl(split.heldout))
         record.RunInfo(
             recipe=checked.recipe, model=args.model, devices=acc.num_processes, nodes=env.num_nodes(),
             engine=checked.engine, zero_stage=checked.zero_stage,
@@ -157,14 +157,11 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     output_lock.release(checked.output)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def jsonl(rows: list[dict]) -> str:
+    """``rows`` as JSON lines (UTF-8 text kept as is)."""
     import json
 
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    partial.replace(path)  # whole or not at all
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def batch_shape(args) -> dict:

@@ -16,12 +16,13 @@ generating (the packed-rows and sequence-parallel kernels expect training's inpu
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune_kit import outputs
 from finetune_kit.launch import env
+from finetune_kit.training.records import jsonl
 
 PROMPT_CHARS = 70  # of a prompt or answer, on the printed side-by-side lines
 
@@ -135,9 +136,7 @@ def report(output: Path, prompts: list[Prompt], after: list[str], before: list[s
             for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
     if not rows or not env.is_main_rank():
         return rows
-    with (Path(output) / "samples.jsonl").open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    outputs.write_text_whole(Path(output) / "samples.jsonl", jsonl(rows))
     print(f"\nsample answers ({len(rows)}, greedy; {Path(output) / 'samples.jsonl'}):")
     for row in rows:
         print(f"  prompt:    {_short(row['prompt'])}")
