@@ -155,13 +155,16 @@ WHEELHOUSE ?= $(CURDIR)/wheelhouse
 wheelhouse: ## wheels of the pinned stack for offline hosts (WHEELHOUSE=dir; NO_TORCH=1: the host has torch)
 	bash docker/build-wheelhouse.sh $(if $(NO_TORCH),--no-torch) "$(WHEELHOUSE)"
 
-# The few wheels a GPU image with its own CUDA torch lacks (about 23 MB): carry them to an offline host.
+# The few wheels a GPU image with its own CUDA torch lacks: carry them to an offline host.
 # HAVE: the host's `python3 -m pip list --format=freeze` (default: docker/gpu-host-packages.txt).
+# BUNDLE_EXTRAS: lm-eval (make eval) and Liger-Kernel (--loss-kernel liger), which the smoke runs; empty: neither.
 GPU_BUNDLE ?= $(CURDIR)/gpu-bundle
 CUDA ?= 130
 HAVE ?= docker/gpu-host-packages.txt
+LIGER_KERNEL := 0.8.5
+BUNDLE_EXTRAS ?= --extra eval --also liger-kernel==$(LIGER_KERNEL)
 gpu-bundle: $(NOX) ## wheels a GPU host with its own torch lacks (HAVE=host-freeze.txt, GPU_BUNDLE=dir, CUDA=130)
-	$(NOX) -s gpu-bundle -- --have "$(abspath $(HAVE))" --cuda $(CUDA) "$(GPU_BUNDLE)"
+	$(NOX) -s gpu-bundle -- --have "$(abspath $(HAVE))" --cuda $(CUDA) $(BUNDLE_EXTRAS) "$(GPU_BUNDLE)"
 
 # The planner is plain Python (no torch, no GPU): it runs from the source tree, runtime and tools.
 RECIPE ?= llama3-8b-zero3

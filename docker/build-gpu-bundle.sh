@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The wheels a GPU host with its own CUDA PyTorch lacks, for hosts without a package index.
-#   bash docker/build-gpu-bundle.sh [--have FREEZE | --host-python PY] [--cuda 130] [--python 3.12] [DIR]
+#   bash docker/build-gpu-bundle.sh [--have FREEZE | --host-python PY] [--cuda 130] [--python 3.12]
+#        [--extra eval] [--also liger-kernel==0.8.5] [DIR]
 #   (make gpu-bundle HAVE=host-packages.txt; DIR: gpu-bundle/)
 # FREEZE is the host's `python3 -m pip list --format=freeze`; without one, docker/gpu-host-packages.txt
 # (the image of the H100/H200 hosts results/ was measured on). `python -m finetune_tools.gpu_check.bundle`
@@ -9,20 +10,24 @@
 # DeepSpeed comes as a pure-Python wheel built from its sdist (DS_BUILD_OPS=0: its ops compile on the
 # host at first use; `python -m finetune_tools.gpu_check` starts that compile beside the model builds),
 # bitsandbytes with only its CPU library and the one for the host's CUDA (--cuda 130 for CUDA 13.0).
+# --extra eval adds lm-eval and what it needs (make eval; its source-only pins built into wheels here);
+# --also NAME==VERSION a package the lock does not pin (liger-kernel, CUDA only), its requirements not walked.
 # About 23 MB for the default host. On the host, from the repository root:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD/shared:$PWD/shared/tools PATH=/tmp/site/bin:$PATH
 #   python3 -m finetune_tools.gpu_check --no-save --case-timeout 300
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-cuda=130 python="" out=gpu-bundle host=(--have "$here/gpu-host-packages.txt")
+cuda=130 python="" out=gpu-bundle host=(--have "$here/gpu-host-packages.txt") more=()
 while (($#)); do
   case "$1" in
     --cuda) cuda="${2:?--cuda needs a release like 130}"; shift ;;
     --python) python="${2:?--python needs a version like 3.12}"; shift ;;
     --have) host=(--have "${2:?--have needs a file of name==version lines}"); shift ;;
     --host-python) host=(--host-python "${2:?--host-python needs the host Python}"); shift ;;
-    -*) echo "build-gpu-bundle.sh: unknown option '$1' (use --have FILE, --host-python PY, --cuda N, --python X.Y)" >&2
+    --extra|--also) more+=("$1" "${2:?$1 needs a value}"); shift ;;
+    -*) echo "build-gpu-bundle.sh: unknown option '$1' (use --have FILE, --host-python PY, --cuda N, --python X.Y," \
+          "--extra GROUP, --also NAME==VERSION)" >&2
         exit 2 ;;
     *) out="$1" ;;
   esac
@@ -30,19 +35,27 @@ while (($#)); do
 done
 mkdir -p "$out"
 mapfile -t pkgs < <(PYTHONPATH="$here/../shared:$here/../shared/tools${PYTHONPATH:+:$PYTHONPATH}" python -m finetune_tools.gpu_check.bundle \
-                      "${host[@]}" ${python:+--python "$python"} 2> "$out/why.txt") \
+                      "${host[@]}" ${python:+--python "$python"} "${more[@]}" 2> "$out/why.txt") \
   || { cat "$out/why.txt" >&2; exit 2; }
 cat "$out/why.txt" >&2
 python="${python:-$(sed -n 's/.* for Python \([0-9]*\.[0-9]*\).*/\1/p' "$out/why.txt")}"
-wheels=() deepspeed=""
+# pins published as source only (lm-eval's): pure Python, built into wheels here
+sdist_only='rouge-score|sqlitedict|word2number'
+wheels=() deepspeed="" sources=()
 for pkg in "${pkgs[@]}"; do
-  case "$pkg" in deepspeed==*) deepspeed="$pkg" ;; *) wheels+=("$pkg") ;; esac
+  case "$pkg" in
+    deepspeed==*) deepspeed="$pkg" ;;
+    *) if [[ "$pkg" =~ ^($sdist_only)== ]]; then sources+=("$pkg"); else wheels+=("$pkg"); fi ;;
+  esac
 done
 platforms=()
 for n in 17 24 27 28; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 if ((${#wheels[@]})); then
   python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$python" --implementation cp \
     --platform manylinux2014_x86_64 "${platforms[@]}" --dest "$out" "${wheels[@]}"
+fi
+if ((${#sources[@]})); then
+  python -m pip wheel --quiet --no-deps --wheel-dir "$out" "${sources[@]}"
 fi
 # bitsandbytes ships a library per CUDA/ROCm/XPU release (43 MB): keep the CPU one and the host's
 bnb="$(ls "$out"/bitsandbytes-*.whl 2>/dev/null || true)"

@@ -2,6 +2,7 @@
 
     python -m finetune_tools.gpu_check.bundle --have host-freeze.txt     # `pip list --format=freeze` there
     python -m finetune_tools.gpu_check.bundle --host-python /path/to/python
+    python -m finetune_tools.gpu_check.bundle --have host-freeze.txt --extra eval --also liger-kernel==0.8.5
 
 Prints one ``name==version`` line per package to carry (the versions pinned in
 docker/requirements.txt) and, on stderr, why each is carried. Run it with a Python that has the
@@ -13,6 +14,9 @@ then what each carried package requires, for Linux x86-64 and the host's Python)
 either lacks it or has a version that is older than the pin (the kit's direct dependencies) or
 outside what the requiring package accepts (everything else). torch and its CUDA libraries are
 never carried: the host's own CUDA build is the point; a host without torch is an error.
+``--extra eval`` adds an optional-dependency group of pyproject.toml (lm-eval for ``make eval``) to the
+roots; ``--also NAME==VERSION`` carries a package the lock does not pin (liger-kernel, a CUDA-only
+kernel library) at that version, without walking its requirements (they must be on the host).
 """
 
 from __future__ import annotations
@@ -41,11 +45,20 @@ def host_owns(name: str) -> bool:
     return name in HOST_OWN or name.startswith("nvidia-")
 
 
-def read_roots(pyproject: Path) -> list[str]:
+def read_roots(pyproject: Path, extras: tuple[str, ...] = ()) -> dict[str, str]:
+    """The kit's dependencies, then those of each optional-dependency group in ``extras``: name -> why."""
     import tomllib
 
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [normalise(Requirement(d).name) for d in deps]
+    project = tomllib.loads(pyproject.read_text())["project"]
+    groups = project.get("optional-dependencies", {})
+    unknown = [e for e in extras if e not in groups]
+    if unknown:
+        raise SystemExit(f"error: --extra {', '.join(unknown)}: pyproject.toml's optional groups are {sorted(groups)}")
+    roots = {normalise(Requirement(d).name): "the kit needs it" for d in project["dependencies"]}
+    for extra in extras:
+        for d in groups[extra]:
+            roots.setdefault(normalise(Requirement(d).name), f"the kit's [{extra}] extra")
+    return roots
 
 
 def parse_freeze(text: str) -> dict[str, str]:
@@ -94,8 +107,10 @@ def requirements_of(name: str, env: dict[str, str]) -> list[Requirement]:
     return out
 
 
-def plan(host: dict[str, str], pins: dict[str, str], roots: list[str], python_version: str) -> list[dict]:
-    """The packages to carry, each ``{"name", "version", "why"}``, in the order the walk found them."""
+def plan(host: dict[str, str], pins: dict[str, str], roots: list[str] | dict[str, str],
+         python_version: str) -> list[dict]:
+    """The packages to carry, each ``{"name", "version", "why"}``, in the order the walk found them;
+    ``roots``: names, or names with why each is needed."""
     if "torch" not in host:
         raise SystemExit("error: the host has no torch; this bundle carries only what a host with its own CUDA "
                          "build of torch lacks (install torch there, or use the full wheelhouse: make wheelhouse)")
@@ -103,7 +118,8 @@ def plan(host: dict[str, str], pins: dict[str, str], roots: list[str], python_ve
 
     env = target_environment(python_version)
     carry: dict[str, dict] = {}
-    queue = [(root, None if root in EXACT else SpecifierSet(), "the kit needs it") for root in roots]
+    reasons = roots if isinstance(roots, dict) else dict.fromkeys(roots, "the kit needs it")
+    queue = [(root, None if root in EXACT else SpecifierSet(), why) for root, why in reasons.items()]
     while queue:
         name, spec, needed_by = queue.pop(0)
         if name in carry or host_owns(name):
@@ -141,11 +157,22 @@ def main(argv=None) -> int:
     p.add_argument("--python", default=None, help="the host's Python version X.Y[.Z] (default: asked, or 3.12)")
     p.add_argument("--requirements", type=Path, default=root / "docker/requirements.txt")
     p.add_argument("--pyproject", type=Path, default=root / "pyproject.toml")
+    p.add_argument("--extra", action="append", default=[], help="an optional-dependency group to carry too (eval)")
+    p.add_argument("--also", action="append", default=[], type=Requirement,
+                   help="NAME==VERSION of a package the lock does not pin, carried as is (liger-kernel==0.8.5)")
     args = p.parse_args(argv)
+    loose = [str(r) for r in args.also if len(r.specifier) != 1 or next(iter(r.specifier)).operator != "=="]
+    if loose:
+        p.error(f"--also {', '.join(loose)}: give one exact version, NAME==VERSION")
     host = ask_python(args.host_python) if args.host_python else parse_freeze(args.have.read_text())
     python_version = args.python or host.pop("python", None) or "3.12"
     host.pop("python", None)
-    chosen = plan(host, read_pins(args.requirements), read_roots(args.pyproject), python_version)
+    chosen = plan(host, read_pins(args.requirements), read_roots(args.pyproject, tuple(args.extra)), python_version)
+    for req in args.also:
+        name, version = normalise(req.name), next(iter(req.specifier)).version
+        if name not in {c["name"] for c in chosen} and host.get(name) != version:
+            chosen.append({"name": name, "version": version,
+                           "why": "asked for (--also; not in the lock, its requirements not walked)"})
     for item in chosen:
         print(f"{item['name']}=={item['version']}")
         print(f"carry {item['name']} {item['version']}: {item['why']}", file=sys.stderr)

@@ -62,10 +62,11 @@ def requirement_problems(names: Iterable[str]) -> list[str]:
     return found
 
 
-def library_problems(cases: list[Case], *, fp8: bool = False) -> list[str]:
-    """``fp8``: some run computes in fp8, which needs torchao."""
+def library_problems(cases: list[Case], *, fp8: bool = False, also: Sequence[str] = ()) -> list[str]:
+    """``fp8``: some run computes in fp8, which needs torchao; ``also``: more modules some run imports
+    (the smoke's lm_eval, liger_kernel)."""
     names = (list(LIBRARIES) + (["bitsandbytes"] if any(c.method == "qlora" for c in cases) else [])
-             + (["torchao"] if fp8 else []))
+             + (["torchao"] if fp8 else []) + list(also))
     found = []
     for name in names:
         try:
@@ -119,7 +120,7 @@ def toolchain_problems(environ=os.environ) -> list[str]:
 
 
 def problems(cases: list[Case], out: Path, *, gpu: bool, model_bytes: int, gpu_used_GiB: float | None = None,
-             fp8: bool = False, environ=os.environ) -> list[str]:
+             fp8: bool = False, also: Sequence[str] = (), environ=os.environ) -> list[str]:
     """Every reason the check would fail on this host, each with its fix; empty when ready.
 
     ``model_bytes``: what the models not yet built will take on disk; ``gpu_used_GiB``: GPU memory
@@ -131,7 +132,7 @@ def problems(cases: list[Case], out: Path, *, gpu: bool, model_bytes: int, gpu_u
             launchers.setdefault(case.launcher[0], case.name)  # the first case that needs it
     found = [f"the launcher {name!r} is not on PATH (case {first} and any after it)"
              for name, first in launchers.items() if shutil.which(name) is None]
-    found += library_problems(cases, fp8=fp8)
+    found += library_problems(cases, fp8=fp8, also=also)
     if gpu:
         found += toolchain_problems(environ)
         if any(c.method == "qlora" for c in cases):
