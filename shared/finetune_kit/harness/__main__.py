@@ -51,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=inputs.HELDOUT,
                    help="comma-separated: heldout (the run's held-out rows) and lm-eval task names (default: heldout)")
     p.add_argument("--include-path", help="a folder of your own lm-eval task YAMLs (lm_eval --include_path)")
-    p.add_argument("--batch-size", type=positive, default=8, help="documents per forward pass (default: 8)")
+    p.add_argument("--batch-size", type=positive, default=None,
+                   help=f"documents per forward pass (default: {inputs.BATCH_TOKENS:,} tokens' worth at the run's "
+                        f"--max-seq-len, 1 to {inputs.MAX_BATCH})")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="weights' dtype (default: bfloat16 on cuda, "
                                                                      "float32 on cpu)")
@@ -88,7 +90,7 @@ def evaluate(evaluation: inputs.Evaluation) -> dict:
         print(f"loading {source.describe()} ({evaluation.device}, {evaluation.dtype})", flush=True)
         chat_lm, plain_lm = causal.language_models(
             causal.load_model(source, device=evaluation.device, dtype=evaluation.dtype), tokenizer,
-            batch_size=evaluation.batch_size)
+            batch_size=evaluation.batch_size, max_length=evaluation.max_length)
         calls = [("heldout", chat_lm, [str(yaml)] if yaml else []), ("lm_eval_tasks", plain_lm, others)]
     include = str(evaluation.include_path) if evaluation.include_path else None
     outputs = {}

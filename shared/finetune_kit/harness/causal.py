@@ -66,8 +66,12 @@ def load_model(source: ModelSource, *, device: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=getattr(torch, dtype), **placement).eval()
 
 
-def language_models(model, tokenizer, *, batch_size: int) -> tuple[HFLM, HFLM]:
+def language_models(model, tokenizer, *, batch_size: int, max_length: int | None = None) -> tuple[HFLM, HFLM]:
     """(the heldout task's ``finetune-hf``, the other tasks' ``hf``) over the same loaded ``model``. The heldout
-    log-softmax runs in float32: a bf16 one rounds each token's log-probability to ~3 significant digits."""
-    return (ChatTurnLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype="float32"),
-            HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size))
+    log-softmax runs in float32: a bf16 one rounds each token's log-probability to ~3 significant digits.
+    ``max_length`` (the run's --max-seq-len): a longer document keeps its last ``max_length`` tokens (lm-eval cuts
+    the context from the left), so no forward is longer than the model trained on; None: the model's own limit."""
+    length = {"max_length": max_length} if max_length else {}
+    return (ChatTurnLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype="float32",
+                       **length),
+            HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **length))

@@ -69,7 +69,7 @@ class Evaluation:
 
 def check(run: str, *, model: str | None = None, base: str | None = None, tasks: str = HELDOUT,
           include_path: str | None = None, device: str | None = None, dtype: str | None = None,
-          batch_size: int = 8, limit: int | None = None, apply_chat_template: bool = False) -> Evaluation:
+          batch_size: int | None = None, limit: int | None = None, apply_chat_template: bool = False) -> Evaluation:
     """Every input of ``python -m finetune_kit.harness`` (its flags, same names), checked in the order a user
     fixes them; UserInputError at the first that cannot work."""
     _harness_installed()
@@ -85,11 +85,25 @@ def check(run: str, *, model: str | None = None, base: str | None = None, tasks:
     rows = _heldout_rows(folder, source) if HELDOUT in names else ()
     device = _device(device)
     settings = info.get("settings", {}) if isinstance(info.get("settings"), dict) else {}
+    max_length = settings.get("max_seq_len") if isinstance(settings.get("max_seq_len"), int) else None
     return Evaluation(run=folder, model=source, tasks=names, heldout=rows,
                       include_path=Path(include) if include else None, device=device,
-                      dtype=dtype or ("bfloat16" if device == "cuda" else "float32"), batch_size=batch_size,
-                      limit=limit, apply_chat_template=apply_chat_template,
-                      max_length=settings.get("max_seq_len") if isinstance(settings.get("max_seq_len"), int) else None)
+                      dtype=dtype or ("bfloat16" if device == "cuda" else "float32"),
+                      batch_size=batch_size or default_batch_size(max_length), limit=limit,
+                      apply_chat_template=apply_chat_template, max_length=max_length)
+
+
+# lm-eval scores a batch through the log-softmax of every position's logits in float32: batch x length x vocabulary
+# x 4 bytes (Llama 3: 0.5 MB a token), beside the bf16 logits. 16,384 tokens a batch are 8.4 GB of it. Measured on
+# an H100 (80 GB) before batches were sized by their tokens and documents cut at --max-seq-len: 4 held-out
+# conversations of about 17,600 tokens in one batch asked for 33.7 GiB there and ran out of memory.
+BATCH_TOKENS = 16_384
+MAX_BATCH = 8
+
+
+def default_batch_size(max_length: int | None) -> int:
+    """Documents per forward: BATCH_TOKENS' worth at ``max_length`` (the run's --max-seq-len), 1 to MAX_BATCH."""
+    return max(1, min(MAX_BATCH, BATCH_TOKENS // max_length)) if max_length else MAX_BATCH
 
 
 def _harness_installed() -> None:
