@@ -33,6 +33,24 @@ def test_the_first_held_out_rows_are_cut_before_their_last_answer(tiny_llama3):
     assert sample_prompts(args(samples=0), heldout, tokenizer, template) == []
 
 
+def test_a_prompt_longer_than_the_training_length_keeps_its_end(tiny_llama3):
+    from transformers import AutoTokenizer
+
+    from finetune_kit.data import templates
+    from finetune_kit.training.samples import sample_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama3)
+    template = templates.resolve("auto", tokenizer)
+    turns = [m for i in range(12) for m in ({"role": "user", "content": f"Say {i} twice."},
+                                            {"role": "assistant", "content": f"{i} {i}"})]
+    whole = sample_prompts(args(samples=1), [{"example_id": 0, "messages": turns}], tokenizer, template)[0]
+    cut = sample_prompts(args(samples=1, max_seq_len=40), [{"example_id": 0, "messages": turns}], tokenizer,
+                         template)[0]
+    assert len(whole.input_ids) > 40  # the cut bites: the rendered conversation is longer than the run's length
+    assert cut.input_ids == whole.input_ids[-40:] and cut.reference == whole.reference == "11 11"
+    assert cut.text == whole.text  # printed and recorded as given
+
+
 def test_a_prompts_file_is_answered_whole_in_any_format(tiny_llama3, tmp_path):
     from transformers import AutoTokenizer
 

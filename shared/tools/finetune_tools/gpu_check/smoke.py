@@ -20,7 +20,8 @@ most users meet first):
 - ``70b-qlora``: the 70B recipe's 4-bit (nf4) base with LoRA, the adapter saved;
 - ``70b-merge``: ``make merge`` of that adapter into the 16-bit base.
 
-The expected total (set-up included; :data:`SETUP_SECONDS`, :data:`SECONDS`) is printed first. A row
+The expected total (set-up included; :data:`SETUP_SECONDS` and each row's seconds, measured on one H100) is
+printed first. A row
 starts only if it is expected to end within ``--time-budget`` counted from ``--started-at`` (the
 command's start, so the bundle install counts): the others are rows with status ``not run``, never
 half-run. Statuses: ok; failed, with the error's last line; timed out; out of memory; not applicable,
@@ -51,7 +52,6 @@ from finetune_tools.paths import find_root
 from finetune_tools.tables import text_table
 
 LAYERS, STEPS = 2, 3
-METER = ("--meter-warmup-steps", "1")  # of the 3 steps, the first is left out of the record's medians
 TINY_LONG = 256  # the 32K row's tokens per sequence at the tiny width on a CPU (32K would take minutes a step)
 ZERO3 = Case("smoke-8b-zero3", "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=LAYERS,
              seq_len=4096, micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3.yaml"))
@@ -66,7 +66,7 @@ CHUNKED = ("--loss-kernel", "chunked")  # the plain-torch loss, also where liger
 class Row:
     name: str
     path: str  # the code path it runs, for the table
-    seconds: float  # expected on one H100, launch to exit (predicted until measured there; see SECONDS)
+    seconds: float  # expected on one H100, launch to exit (measured there: SETUP_SECONDS says where)
     case: str = ""  # a training row: its case in CASES
     flags: tuple[str, ...] = ()
     seq_len: int | None = None  # None: the case's
@@ -76,34 +76,36 @@ class Row:
     command: str = ""  # a row after training: "eval" or "merge", on the output of ``reads``
     reads: str = ""
     cpu: str = ""  # why it cannot run on a CPU ("" when it can)
+    warmup: int = 1  # of the 3 steps, how many the record's medians leave out
 
 
 ROWS = [
-    Row("8b-zero3-samples", "ZeRO-3: validation, 4 sample answers with synced_gpus, consolidated save", 55,
+    Row("8b-zero3-samples", "ZeRO-3: validation, 4 sample answers with synced_gpus, consolidated save", 62,
         "smoke-8b-zero3", (*CHUNKED, "--eval-fraction", "0.2", "--samples", "4", "--sample-tokens", "32"), save=True),
-    Row("8b-eval-cuda", "make eval (lm-evaluation-harness heldout task) on the saved model", 30,
+    Row("8b-eval-cuda", "make eval (lm-evaluation-harness heldout task) on the saved model", 18,
         command="eval", reads="8b-zero3-samples"),
-    Row("8b-packed-varlen", "packed rows, --attention auto: torch.nn.attention.varlen (FlashAttention)", 35,
+    Row("8b-packed-varlen", "packed rows, --attention auto: torch.nn.attention.varlen (FlashAttention)", 39,
         "smoke-8b-zero3", (*CHUNKED, "--pack"), data="short-instructions"),
-    Row("8b-liger", "Liger-Kernel's fused linear cross-entropy under ZeRO-3 (--loss-kernel liger)", 40,
+    Row("8b-liger", "Liger-Kernel's fused linear cross-entropy under ZeRO-3 (--loss-kernel liger)", 41,
         "smoke-8b-zero3", ("--loss-kernel", "liger"), cpu="Liger-Kernel's fused loss is a Triton kernel for CUDA GPUs"),
-    Row("8b-zero3-fp8-rowwise", "torchao float8 linears, rowwise scales, under ZeRO-3 (_scaled_mm)", 40,
+    Row("8b-zero3-fp8-rowwise", "torchao float8 linears, rowwise scales, under ZeRO-3 (_scaled_mm)", 45,
         "smoke-8b-zero3", (*CHUNKED, "--fp8", "rowwise")),
-    Row("8b-32k-tiledmlp-offloadact", "32K tokens: DeepSpeed's tiled MLP, checkpoints in pinned host memory", 45,
+    Row("8b-32k-tiledmlp-offloadact", "32K tokens: DeepSpeed's tiled MLP, checkpoints in pinned host memory", 46,
         "smoke-8b-zero3", (*CHUNKED, "--tiled-mlp", "--offload-activations", "--loss-chunks", "8"),
         seq_len=32 * 1024, micro_batch=1),
-    Row("8b-fsdp2-compile-fp8", "FSDP2, decoder layers through torch.compile, float8 tensorwise", 100,
-        "smoke-8b-fsdp2-fp8", (*CHUNKED, "--compile", "--fp8", "tensorwise")),
-    Row("70b-qlora", "70B QLoRA: nf4 base (bitsandbytes), LoRA and head, ZeRO-3, adapter saved", 50,
+    # step 2 compiles again (19 s on the H100): its sequence length differs from step 1's, and torch.compile then
+    # compiles for dynamic shapes; only step 3 is the compiled speed
+    Row("8b-fsdp2-compile-fp8", "FSDP2, decoder layers through torch.compile, float8 tensorwise", 80,
+        "smoke-8b-fsdp2-fp8", (*CHUNKED, "--compile", "--fp8", "tensorwise"), warmup=2),
+    Row("70b-qlora", "70B QLoRA: nf4 base (bitsandbytes), LoRA and head, ZeRO-3, adapter saved", 37,
         "smoke-70b-qlora", save=True),
-    Row("70b-merge", "make merge: the adapter merged into the bf16 base", 40, command="merge", reads="70b-qlora"),
+    Row("70b-merge", "make merge: the adapter merged into the bf16 base", 25, command="merge", reads="70b-qlora"),
 ]
 BY_ROW = {r.name: r for r in ROWS}
-# Predicted, not measured: the bundle install (20 s), the two check models (8B and 70B at 2 layers, random init
-# on the GPU, 10.6 GB written) beside the compile of DeepSpeed's fused Adam (about 60 s), and the host check.
-# Row times: the 8-layer 8B case's measured 57 s (results/, 44 s of it launch and load) scaled down to 2 layers
-# and 3 steps, plus what each row adds (saves, generation, compilation).
-SETUP_SECONDS = 100
+# Measured on one H100 (80 GB HBM3, torch 2.11 + CUDA 13.0; results/gpu-smoke.md): the set-up, from the command's
+# start (the bundle install 5 s, the two check models built in 27 s and 38 s beside the compile of DeepSpeed's
+# fused Adam, the host check), and each row's seconds from launch to exit (Row.seconds).
+SETUP_SECONDS = 94
 TIME_BUDGET = 540  # seconds from the command's start: the smoke must fit one device command of 9 minutes
 GRACE_S = 40  # a row started within the budget is stopped at most this long after it (then "timed out")
 OPS = {"fused_adam": runner.OPS["fused_adam"]}  # every row's optimizer is on the GPU (no CPU Adam)
@@ -292,7 +294,7 @@ def main(argv=None) -> int:
     device = info["name"] if info else f"CPU ({platform.processor() or platform.machine()})"
     print(f"GPU smoke on {device}{' (tiny width)' if tiny else ''}: torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}; {len(rows)} row(s), expected {expected_total(rows) / 60:.1f} min on one H100 "
-          f"with the set-up (predicted: gpu_check.smoke.SECONDS)"
+          f"with the set-up (measured there: gpu_check.smoke.SETUP_SECONDS, Row.seconds)"
           + (f"; budget {budget:.0f} s from the command's start" if budget else ""), flush=True)
 
     # ---- set-up: the host check, the models (each in a process of its own) beside the fused Adam build ----
@@ -340,17 +342,8 @@ def main(argv=None) -> int:
     for row in rows:
         elapsed = time.time() - started
         about = {"name": row.name, "path": row.path, "expected_s": row.seconds}
-        if tiny and row.cpu:
-            results[row.name] = {**about, "status": NOT_APPLICABLE, "reason": f"on a CPU: {row.cpu}"}
-        elif why := host_check.not_applicable(row.flags, capability):
-            results[row.name] = {**about, "status": NOT_APPLICABLE, "reason": why}
-        elif row.reads and results.get(row.reads, {}).get("status") != OK:
-            results[row.name] = {**about, "status": NOT_APPLICABLE,
-                                 "reason": f"it reads the output of {row.reads}, which did not pass"}
-        elif budget is not None and elapsed + row.seconds > budget:
-            results[row.name] = {**about, "status": NOT_RUN,
-                                 "reason": f"expected {row.seconds:.0f} s, {max(0, budget - elapsed):.0f} s of the "
-                                           f"{budget:.0f} s budget left"}
+        if skipped := why_not(row, results, tiny=tiny, capability=capability, elapsed=elapsed, budget=budget):
+            results[row.name] = {**about, **skipped}
         else:
             # a row that overruns its expected time may end up to GRACE_S past the budget, no later
             timeout = args.case_timeout if budget is None else min(args.case_timeout, budget + GRACE_S - elapsed)
@@ -369,6 +362,23 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def why_not(row: Row, results: dict[str, dict], *, tiny: bool, capability: tuple[int, int] | None,
+            elapsed: float, budget: float | None) -> dict | None:
+    """Why ``row`` does not run now (``{"status", "reason"}``), or None to run it: on a CPU when it needs CUDA,
+    an fp8 row below compute capability 8.9, a row whose input row did not pass (not applicable); a row expected
+    to end past ``budget`` seconds, ``elapsed`` of them spent (not run)."""
+    if tiny and row.cpu:
+        return {"status": NOT_APPLICABLE, "reason": f"on a CPU: {row.cpu}"}
+    if why := host_check.not_applicable(row.flags, capability):
+        return {"status": NOT_APPLICABLE, "reason": why}
+    if row.reads and results.get(row.reads, {}).get("status") != OK:
+        return {"status": NOT_APPLICABLE, "reason": f"it reads the output of {row.reads}, which did not pass"}
+    if budget is not None and elapsed + row.seconds > budget:
+        return {"status": NOT_RUN, "reason": f"expected {row.seconds:.0f} s, {max(0, budget - elapsed):.0f} s of the "
+                                             f"{budget:.0f} s budget left"}
+    return None
+
+
 def run_row(row: Row, root: Path, out: Path, models: dict, *, tiny: bool, gpu: bool, timeout: float) -> dict:
     """One row in its own process: the recipe (runner.run_case) or the command after it."""
     if row.command:
@@ -380,8 +390,8 @@ def run_row(row: Row, root: Path, out: Path, models: dict, *, tiny: bool, gpu: b
     try:
         got = runner.run_case(case, root, out, models[(case.arch, case.family, case.layers, case.max_positions)],
                               layers=case.layers, steps=STEPS, seq_len=seq_len, micro_batch=micro_batch, grad_accum=1,
-                              save=row.save, timeout=timeout, extra=(*METER, *row.flags), name=row.name,
-                              data=row.data)
+                              save=row.save, timeout=timeout, name=row.name, data=row.data,
+                              extra=("--meter-warmup-steps", str(row.warmup), *row.flags))
     except Exception as err:  # one broken row must not lose the others'
         return {"status": "failed", "error": repr(err)[:300]}
     if got["status"] != OK and got["status"] != "out of memory":
