@@ -70,7 +70,7 @@ OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
 .PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
-	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge eval gpu-check gpu-bundle wheelhouse \
+	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
 help: ## this list
@@ -148,6 +148,12 @@ recipe-8b-zero3: ## Llama 3 8B full fine-tune, ZeRO-3 (GPUs): NUM_GPUS=8 MODEL=.
 GPU_CHECK_ARGS ?=
 gpu-check: ## every recipe on one GPU: real shapes, tokens/s, MFU, memory vs the planner (GPU_CHECK_ARGS=...)
 	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.gpu_check --out "$(CURDIR)/out/gpu-check" $(GPU_CHECK_ARGS)
+
+# Every path whose real kernels run only on CUDA (fp8, compiled FSDP2, varlen attention, Liger, the tiled MLP, sample
+# answers under ZeRO-3, make eval on the GPU, the 4-bit base and make merge), once each, within 9 minutes on one H100.
+SMOKE_ARGS ?=
+gpu-smoke: ## every CUDA-only code path once on one GPU, its table in out/gpu-smoke/summary.json (SMOKE_ARGS=...)
+	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.gpu_check --smoke --out "$(CURDIR)/out/gpu-smoke" $(SMOKE_ARGS)
 
 # Wheels of the whole pinned stack (DeepSpeed built as a wheel) for hosts without a package index;
 # install there with `bash docker/install-python-deps.sh --wheelhouse DIR [--keep-torch]`.

@@ -102,6 +102,20 @@ def test_every_ablation_variant_passes_its_recipes_own_flag_parser(variant, monk
         assert parsed.gradient_checkpointing is ("--no-gradient-checkpointing" not in variant.flags)
 
 
+@pytest.mark.parametrize("variant", ablation.VARIANTS, ids=lambda v: v.name)
+def test_every_ablation_row_names_its_loss_kernel_so_an_installed_liger_changes_none(variant, monkeypatch):
+    case = EVERY_CASE[variant.case]
+    monkeypatch.chdir(REPO / "recipes" / case.recipe)
+    flags = recipe_flags(case, model="m", data="d.jsonl", output="o", steps=8, seq_len=128, micro_batch=2)
+    parsed = load_script(REPO / "recipes" / case.recipe / "train.py").parse_args(
+        [*flags, *ablation.one_loss_kernel(case, variant.flags)])
+    recipe = parsed[0] if case.trainer else parsed
+    if case.data == "reviews":  # the classifier: no loss kernel to name
+        assert not hasattr(recipe, "loss_kernel") and ablation.one_loss_kernel(case, variant.flags) == variant.flags
+    else:
+        assert recipe.loss_kernel == ("liger" if variant.name.endswith("-liger") else "chunked")
+
+
 def test_ablation_speedups_are_against_each_cases_first_finished_row():
     rows = [{"case": "a", "tokens_per_s_per_device": None}, {"case": "a", "tokens_per_s_per_device": 100.0},
             {"case": "b", "tokens_per_s_per_device": 50.0}, {"case": "a", "tokens_per_s_per_device": 160.0}]

@@ -222,6 +222,17 @@ def expected_seconds(variant: Variant) -> float:
     return per_case * max(1.0, variant.grad_accum / 4) + ("--compile" in variant.flags) * COMPILE_SECONDS
 
 
+def one_loss_kernel(case: cases.Case, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags`` with the chunked loss named unless they name a loss kernel. With liger-kernel installed (the GPU
+    bundle carries it), the recipes' ``--loss-kernel auto`` picks Liger's fused loss: every row would then run it,
+    and the Liger row would equal its baseline. Named, each row runs the kernel it says, on any host (the H100
+    rows in results/ ran the chunked loss: no liger-kernel was installed there)."""
+    if case.data == "reviews":  # the 70B classifier has no language-model loss, and no such flag
+        return flags
+    flag = "--loss_kernel" if case.trainer else "--loss-kernel"
+    return flags if any(f == flag or f.startswith(f"{flag}=") for f in flags) else (*flags, flag, "chunked")
+
+
 def units(variants: list[Variant]) -> list[list[Variant]]:
     """``variants`` in order, in runs that must share a command: a row joins the run before it when
     its baseline is there (a speed-up compares two rows of one machine)."""

@@ -304,8 +304,9 @@ def main(argv=None) -> int:
                 "extra": extra + tuple(flags), "data": data}
 
     if args.ablation:
-        runs = [(v.name, EVERY_CASE[v.case], v, settings(EVERY_CASE[v.case], v.micro_batch, v.grad_accum,
-                                                           v.seq_len, v.flags, v.data, v.steps)) for v in variants]
+        runs = [(v.name, EVERY_CASE[v.case], v,
+                 settings(EVERY_CASE[v.case], v.micro_batch, v.grad_accum, v.seq_len,
+                          ablation.one_loss_kernel(EVERY_CASE[v.case], v.flags), v.data, v.steps)) for v in variants]
     else:
         runs = [(case.name, case, None, settings(case)) for case in cases]
     rows = []

@@ -334,7 +334,8 @@ def main(argv=None) -> int:
 
     # ---- the rows, each in a process of its own ----
     results = dict(previous)
-    header = {"kind": "gpu-smoke", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "device": device,
+    header = {"kind": "gpu-smoke", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+              "started_at": round(started), "device": device,
               "gpu": info, "compute_capability": ".".join(map(str, capability)) if capability else None,
               "tiny": tiny, "layers": LAYERS, "steps": STEPS, "commit": commit_of(root, args.commit),
               "cuda": torch.version.cuda, "libraries": libraries(), "budget_s": budget,
