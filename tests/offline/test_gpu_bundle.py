@@ -1,10 +1,12 @@
-"""The offline bundle for a GPU host that has its own torch, rehearsed on CPU.
+"""The offline bundle for a GPU host that has its own torch, rehearsed on CPU, and the GPU smoke run from it.
 
 A fresh environment imitates such a host: torch already there (the pinned build, linked in from
 the stack rather than installed again), an older transformers and the libraries a GPU image
-brings, none of deepspeed, bitsandbytes, datasets or pydantic. `make gpu-bundle`'s script asks
-that environment for its packages and bundles what it lacks; the bundle goes in with pip's
---no-index, and the CPU version of the GPU check runs from it.
+brings, none of deepspeed, bitsandbytes, datasets, pydantic or lm-eval. `make gpu-bundle`'s script
+asks that environment for its packages and bundles what it lacks (with the eval extra and
+Liger-Kernel, as `make gpu-bundle` makes it); the bundle goes in with pip's --no-index, and the GPU
+smoke (`python -m finetune_tools.gpu_check --smoke`) runs from it at the tiny width, as it runs on a
+GPU host: each row in its own process, then make eval and make merge on what two rows saved.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ pytestmark = pytest.mark.recipe
 
 HOST_LIBRARIES = ["transformers==5.17.0", "accelerate", "tokenizers", "safetensors", "huggingface-hub", "numpy",
                   "pandas", "pyarrow", "ninja", "psutil", "pyyaml", "tqdm", "regex", "requests", "packaging",
-                  "einops", "msgpack", "py-cpuinfo", "prometheus-client", "nvidia-ml-py"]
+                  "einops", "msgpack", "py-cpuinfo", "prometheus-client", "nvidia-ml-py",
+                  # what lm-eval needs that such an image has (docker/gpu-host-packages.txt)
+                  "scikit-learn", "sacrebleu", "jinja2", "absl-py", "six", "xxhash", "joblib", "click"]
+EXTRAS = ["--extra", "eval", "--also", "liger-kernel==0.8.5"]  # as make gpu-bundle's BUNDLE_EXTRAS
 WORK = REPO / ".nox/gpu-host"
 
 
@@ -74,8 +79,8 @@ def host() -> dict:
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-c", str(constraints), *HOST_LIBRARIES], check=True)
     # as on the hosts described: no pydantic (pip brings it for the newest typer, which such images predate)
     subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "--yes", "pydantic", "pydantic-core"], check=True)
-    made = subprocess.run(["bash", str(REPO / "docker/build-gpu-bundle.sh"), "--host-python", str(py), str(bundle)],
-                          capture_output=True, text=True, cwd=REPO)
+    made = subprocess.run(["bash", str(REPO / "docker/build-gpu-bundle.sh"), "--host-python", str(py), *EXTRAS,
+                           str(bundle)], capture_output=True, text=True, cwd=REPO)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(site),
                     *map(str, sorted(bundle.glob("*.whl")))], check=True)
@@ -88,10 +93,14 @@ def wheels(bundle: Path) -> dict[str, str]:
 
 def test_the_bundle_holds_what_the_host_lacks_and_nothing_it_has(host):
     carried = wheels(host["bundle"])
-    assert {"deepspeed", "bitsandbytes", "datasets", "pydantic", "hjson"} <= set(carried), carried
+    assert {"deepspeed", "bitsandbytes", "datasets", "pydantic", "hjson", "lm-eval", "evaluate",
+            "liger-kernel"} <= set(carried), carried
+    assert {"rouge-score", "sqlitedict", "word2number"} <= set(carried)  # source-only pins, built into wheels
     assert carried["transformers"] == "5.23.0"  # the host's 5.17.0 is older than the pin
-    assert not {"torch", "accelerate", "numpy", "pyarrow", "tokenizers"} & set(carried), carried
+    assert not {"torch", "accelerate", "numpy", "pyarrow", "tokenizers", "scikit-learn", "triton"} & set(carried)
     assert "transformers 5.23.0: 5.17.0 is older than the pinned 5.23.0" in host["log"]
+    assert "carry lm-eval 0.4.13: missing (the kit's [eval] extra)" in host["log"]
+    assert "carry liger-kernel 0.8.5: asked for (--also" in host["log"]
 
 
 def test_bitsandbytes_carries_only_its_cpu_and_one_cuda_library(host):
@@ -100,22 +109,29 @@ def test_bitsandbytes_carries_only_its_cpu_and_one_cuda_library(host):
     assert libs == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
 
 
-def test_the_gpu_check_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
+def test_the_smoke_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(map(str, (host["site"], REPO / "shared", REPO / "shared/tools"))),
            "PATH": f"{host['site'] / 'bin'}{os.pathsep}{host['python'].parent}{os.pathsep}{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1"}
     env.pop("VIRTUAL_ENV", None)
-    where = subprocess.run([str(host["python"]), "-c", "import torch, transformers, deepspeed; "
-                            "print(torch.__file__, transformers.__version__, deepspeed.__file__)"],
+    where = subprocess.run([str(host["python"]), "-c", "import torch, transformers, deepspeed, lm_eval; "
+                            "print(torch.__file__, transformers.__version__, deepspeed.__file__, lm_eval.__file__)"],
                            capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
     assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
-    assert where[2].startswith(str(host["site"]))
-    proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--tiny", "--no-save",
-                           "--cases", "llama3-8b-zero3,llama3-70b-qlora", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert where[2].startswith(str(host["site"])) and where[3].startswith(str(host["site"]))
+    proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--smoke", "--tiny", "--out",
+                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "summary.json").read_text())["cases"]
-    assert [r["status"] for r in rows] == ["ok", "ok"]
-    versions = rows[0]["software"]["libraries"]
-    assert versions["transformers"] == "5.23.0" and versions["deepspeed"] == "0.19.8"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    status = {row["name"]: row["status"] for row in summary["rows"]}
+    assert status.pop("8b-liger") == "not applicable"  # Liger's kernel needs CUDA; on a GPU it runs
+    assert set(status.values()) == {"ok"}, {r["name"]: r.get("error") for r in summary["rows"]}
+    assert summary["libraries"]["transformers"] == "5.23.0" and summary["libraries"]["lm-eval"] == "0.4.13"
+    rows = {row["name"]: row for row in summary["rows"]}
+    assert rows["8b-eval-cuda"]["result"]["tasks"]["heldout"]["loss"] > 0  # lm-eval ran, from the bundle
+    assert rows["70b-merge"]["result"]["merged_files"] and (tmp_path / "70b-qlora/merged/config.json").is_file()
+    assert (tmp_path / "8b-zero3-samples/samples.jsonl").read_text().count("\n") == 4
+    assert all(rows[name]["tokens_per_s_per_device"] > 0 for name in status if not name.endswith(("eval-cuda",
+                                                                                                    "merge")))
+    assert "row" in proc.stdout and f"{len(status)} of {len(rows)} ok, 0 failed" in proc.stdout

@@ -3,9 +3,11 @@ versions and date are in each record)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from finetune_kit.metering.run_record import RunRecord
+from finetune_kit.metering.run_record import SCHEMA, RunRecord
 from finetune_kit.planning.memory import CUDA_CONTEXT_GIB
 from tests.harness import REPO
 
@@ -15,7 +17,9 @@ TOLERANCE_GIB = 0.35
 
 
 def device_view_records() -> list[tuple[str, RunRecord]]:
-    paths = sorted((REPO / "results/runs").rglob("*.json"))
+    # every run record under results/runs (the GPU smoke's summaries beside them are not records)
+    paths = [p for p in sorted((REPO / "results/runs").rglob("*.json")) if json.loads(p.read_text()).get("schema")
+             == SCHEMA]
     records = [(p.stem, RunRecord.read(p)) for p in paths]
     return [(n, r) for n, r in records if r.measured.peak_gpu_device_GiB and r.measured.peak_gpu_reserved_GiB]
 
