@@ -154,7 +154,7 @@ def gpu_check_cpu(session: nox.Session) -> None:
 @nox.session(name="gpu-bundle", venv_backend="none")
 def gpu_bundle(session: nox.Session) -> None:
     """The offline bundle for a GPU host with its own torch (make gpu-bundle), made for an imitation
-    of such a host on CPU, installed there with --no-index, and the GPU check's CPU version run from it.
+    of such a host on CPU, installed there with --no-index, and the GPU smoke run from it at the tiny width.
     With arguments, only makes a bundle: nox -s gpu-bundle -- [--have FREEZE] [--cuda 130] [DIR]."""
     if session.posargs:
         env = stack(session)
