@@ -94,7 +94,7 @@ TEST_SESSIONS := lint unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme test-l
   test-llama3-70b-qlora slurm kubernetes live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
-	@failed=0; $(NOX) -s lint unit || failed=1; \
+	@rm -f .nox/session-times.jsonl; failed=0; $(NOX) -s lint unit || failed=1; \
 	$(low_priority) $(NOX) -s image-build > .nox/image-build.log 2>&1 & images=$$!; \
 	trap 'kill $$images 2>/dev/null; exit 130' INT TERM; \
 	$(NOX) -s $(filter-out lint unit image,$(TEST_SESSIONS)) || failed=1; \

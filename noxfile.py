@@ -18,10 +18,13 @@ user would (regular, non-editable installs).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -72,12 +75,35 @@ def package_digest() -> str:
     return digest.hexdigest()
 
 
+TIMES = ROOT / ".nox/session-times.jsonl"  # read by `python -m finetune_tools.repo suite-time` (.ci/run)
+
+
+def timed(func):
+    """Append the session's name, wall-clock seconds and result to TIMES when it ends (make test starts the file
+    afresh): how long each session took, whatever nox prints."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session) -> None:
+        start, ok = time.monotonic(), False
+        try:
+            func(session)
+            ok = True
+        finally:
+            TIMES.parent.mkdir(exist_ok=True)
+            with TIMES.open("a") as f:
+                f.write(json.dumps({"session": session.name, "seconds": round(time.monotonic() - start, 1),
+                                    "ok": ok}) + "\n")
+
+    return run
+
+
 def run_in_stack(session: nox.Session, *args: str) -> None:
     env = stack(session)
     session.run(str(STACK / "bin" / args[0]), *args[1:], env=env, external=True)
 
 
 @nox.session
+@timed
 def lint(session: nox.Session) -> None:
     """ruff on all Python, hadolint on the Dockerfiles."""
     session.install("-r", "docker/requirements-dev.txt")
@@ -88,6 +114,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def unit(session: nox.Session) -> None:
     """Unit tests of the shared package and the shipped configs."""
     run_in_stack(session, "pytest", "tests/unit", *session.posargs)
@@ -106,7 +133,7 @@ def recipe_session(name: str, what: str) -> None:
         run_in_stack(session, "pytest", f"tests/recipes/test_{name.replace('-', '_')}.py", *session.posargs)
 
     run.__doc__ = f"The {name} recipe end to end: {what}."
-    nox.session(name=f"test-{name}", venv_backend="none")(run)
+    nox.session(name=f"test-{name}", venv_backend="none")(timed(run))
 
 
 for _name, _what in RECIPE_SESSIONS.items():
@@ -114,6 +141,7 @@ for _name, _what in RECIPE_SESSIONS.items():
 
 
 @nox.session(name="test-llama3-8b-zero3-nvme", venv_backend="none")
+@timed
 def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     """The 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*), 2 CPU processes: trains through NVMe swap
     files and resumes exactly. DeepSpeed's async_io op compiles at its first use in the shared
@@ -122,6 +150,7 @@ def recipe_llama3_8b_nvme(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def slurm(session: nox.Session) -> None:
     """A real Slurm cluster (Debian's slurmctld, slurmdbd on MariaDB and two slurmd nodes in network
     namespaces; installed if missing) runs each recipe's slurm/train.sbatch unchanged: the 8B and 13B
@@ -131,6 +160,7 @@ def slurm(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def kubernetes(session: nox.Session) -> None:
     """The recipes' Kubernetes manifests run as their pods would: each container command in network
     namespaces as PID 1, with the variables Kubeflow Trainer and the training-operator inject; a
@@ -139,6 +169,7 @@ def kubernetes(session: nox.Session) -> None:
 
 
 @nox.session(name="live-metrics", venv_backend="none")
+@timed
 def live_metrics(session: nox.Session) -> None:
     """Debian's Prometheus (installed if missing) with docker/monitoring's scrape configuration reads
     both ranks' series from a 2-process run of the 8B recipe, which also reports to TensorBoard."""
@@ -146,12 +177,14 @@ def live_metrics(session: nox.Session) -> None:
 
 
 @nox.session(name="gpu-check-cpu", venv_backend="none")
+@timed
 def gpu_check_cpu(session: nox.Session) -> None:
     """The GPU check (make gpu-check) at a tiny width on CPU: every recipe's code path, its records."""
     run_in_stack(session, "pytest", "tests/recipes/test_gpu_check.py", *session.posargs)
 
 
 @nox.session(name="gpu-bundle", venv_backend="none")
+@timed
 def gpu_bundle(session: nox.Session) -> None:
     """The offline bundle for a GPU host with its own torch (make gpu-bundle), made for an imitation
     of such a host on CPU, installed there with --no-index, and the GPU smoke run from it at the tiny width.
@@ -164,6 +197,7 @@ def gpu_bundle(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def wheelhouse(session: nox.Session) -> None:
     """The offline install: a wheelhouse of the whole pinned stack (DeepSpeed built as a wheel),
     installed into a fresh environment with pip's --no-index, then imported."""
@@ -193,6 +227,7 @@ for lib in ("torch", "deepspeed", "transformers", "accelerate", "peft", "bitsand
 
 
 @nox.session(venv_backend="none")
+@timed
 def image(session: nox.Session) -> None:
     """The images built and run with podman: docker/Dockerfile and the 8B recipe's Dockerfile on a
     Debian base standing in for the CUDA base, from a wheelhouse of the CPU lock; then the 8B recipe
@@ -201,6 +236,7 @@ def image(session: nox.Session) -> None:
 
 
 @nox.session(name="image-build", venv_backend="none", default=False)
+@timed
 def image_build(session: nox.Session) -> None:
     """The image session's two images built ahead (make test runs this in the background while the
     recipes' sessions run; the image session then takes them from podman's layer cache)."""

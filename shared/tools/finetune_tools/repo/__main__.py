@@ -1,5 +1,6 @@
 """python -m finetune_tools.repo readmes [--check] [--root R]: regenerate the recipe READMEs' generated blocks.
-python -m finetune_tools.repo pins [--root R]: check the locks, the Dockerfiles and noxfile.py against the pins."""
+python -m finetune_tools.repo pins [--root R]: check the locks, the Dockerfiles and noxfile.py against the pins.
+python -m finetune_tools.repo suite-time LOG [--root R]: make test's minutes per session against their budgets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_tools.paths import find_root
-from finetune_tools.repo import pins, readmes
+from finetune_tools.repo import pins, readmes, suite_time
 
 
 def main(argv=None) -> int:
@@ -24,8 +25,15 @@ def main(argv=None) -> int:
                               description=pins.__doc__.split("\n")[0])
     cmd.add_argument("--root", type=Path, default=None,
                      help="repository root (default: found upwards from the current folder)")
+    cmd = commands.add_parser("suite-time", help="make test's minutes per session and slowest tests, against "
+                              f"{suite_time.BUDGETS}", description=suite_time.__doc__.split("\n")[0])
+    cmd.add_argument("log", type=Path, help="make test's output (for the durations pytest printed)")
+    cmd.add_argument("--root", type=Path, default=None,
+                     help="repository root (default: found upwards from the current folder)")
     args = p.parse_args(argv)
     root = args.root or find_root()
+    if args.command == "suite-time":
+        return suite_time.main(args.log, root)
     if args.command == "pins":
         found = pins.problems(root)
         print("\n".join(found) or f"{root / 'docker'}: the locks, the Dockerfiles and noxfile.py agree with the pins")

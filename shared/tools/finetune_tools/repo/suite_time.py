@@ -1,0 +1,92 @@
+"""Where `make test`'s time went, against a written budget per session: a report, never a failure.
+
+    python -m finetune_tools.repo suite-time LOG      # .ci/run calls it with make test's output
+
+Reads ``.nox/session-times.jsonl`` (one line per nox session: its name, seconds and result, written by
+noxfile.py as each session ends) and, from ``LOG``, the per-test durations pytest printed (``--durations``).
+Prints each session's minutes beside its budget (``tests/session-budgets.toml``), the total of the sessions
+that run one after another (the image build runs beside them), and the ten slowest tests; a ``warning:``
+line for each session over its budget and for the total over the suite's. The machines CI runs on are
+shared and differ in speed: a budget is a line to notice, not a test to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+TIMES = ".nox/session-times.jsonl"
+BUDGETS = "tests/session-budgets.toml"
+BESIDE = ("image-build",)  # run in the background, beside the others: not part of the total
+SESSION_START = re.compile(r"^nox > Running session (\S+)")
+DURATION = re.compile(r"^\s*([0-9.]+)s (call|setup|teardown)\s+(\S+)")
+
+
+@dataclass(frozen=True)
+class Slow:
+    seconds: float
+    phase: str  # call, setup or teardown
+    test: str
+    session: str | None
+
+
+def session_times(path: Path) -> dict[str, dict]:
+    """The last line of each session in ``path`` (a session run twice: its last run)."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            out[entry["session"]] = entry
+    return out
+
+
+def slowest(log: str, count: int = 10) -> list[Slow]:
+    """The ``count`` longest test phases pytest reported in ``log``, each with the session it ran in."""
+    found, session = [], None
+    for line in log.splitlines():
+        if start := SESSION_START.match(line):
+            session = start.group(1)
+        elif hit := DURATION.match(line):
+            found.append(Slow(float(hit.group(1)), hit.group(2), hit.group(3), session))
+    return sorted(found, key=lambda s: -s.seconds)[:count]
+
+
+def report(times: dict[str, dict], budgets: dict, slow: list[Slow]) -> list[str]:
+    """The report's lines: a table of sessions, the total, the slowest tests, then the warnings."""
+    minutes = budgets.get("minutes", {})
+    lines = [f"suite time, per session (budgets: {BUDGETS}):", f"  {'session':<28} {'minutes':>8} {'budget':>7}"]
+    warnings = []
+    total = 0.0
+    for name, entry in times.items():
+        spent = entry["seconds"] / 60
+        budget = minutes.get(name)
+        beside = " (in the background)" if name in BESIDE else ""
+        if name not in BESIDE:
+            total += spent
+        state = "" if entry.get("ok", True) else " FAILED"
+        lines.append(f"  {name:<28} {spent:>8.1f} {budget if budget is not None else '-':>7}{beside}{state}")
+        if budget is None:
+            warnings.append(f"warning: session {name} has no budget in {BUDGETS}")
+        elif spent > budget:
+            warnings.append(f"warning: session {name} took {spent:.1f} min, over its budget of {budget} min")
+    suite = budgets.get("suite_minutes")
+    lines.append(f"  {'total (one after another)':<28} {total:>8.1f} {suite if suite is not None else '-':>7}")
+    if suite is not None and total > suite:
+        warnings.append(f"warning: the sessions took {total:.1f} min in all, over the suite's budget of {suite} min")
+    if slow:
+        lines += ["the slowest tests:"] + [f"  {s.seconds:>7.1f} s  {s.phase:<8} {s.test}  ({s.session or '?'})"
+                                           for s in slow]
+    return lines + warnings
+
+
+def main(log_path: Path, root: Path) -> int:
+    budgets = tomllib.loads((root / BUDGETS).read_text()) if (root / BUDGETS).is_file() else {}
+    log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    print("\n".join(report(session_times(root / TIMES), budgets, slowest(log))))
+    return 0

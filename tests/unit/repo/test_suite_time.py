@@ -1,0 +1,68 @@
+"""The suite-time report .ci/run ends with: each session's minutes against its budget, the slowest tests, and a
+warning for what is over; never a failure."""
+
+from __future__ import annotations
+
+import json
+
+import tomllib
+
+from finetune_tools.repo import suite_time
+from tests.harness import REPO
+
+LOG = """\
+nox > Running session unit
+============================= slowest durations ==============================
+62.49s call     tests/unit/training/test_adam_resume.py::test_a_resumed_native_adam[cpu_adam]
+0.51s setup    tests/unit/test_x.py::test_y
+nox > Running session test-llama3-8b-zero3
+127.27s call     tests/recipes/test_llama3_8b_zero3.py::test_levers[compiled-layers-fsdp2]
+86.49s setup    tests/recipes/test_llama3_8b_zero3.py::test_the_run_leaves_no_buffer_in_dev_shm
+"""
+
+
+def write_times(root, sessions: dict[str, float], failed=()) -> None:
+    (root / ".nox").mkdir(parents=True)
+    (root / suite_time.TIMES).write_text("".join(json.dumps({"session": s, "seconds": t, "ok": s not in failed}) + "\n"
+                                                 for s, t in sessions.items()))
+
+
+def test_the_slowest_tests_are_named_with_their_session():
+    slow = suite_time.slowest(LOG, count=3)
+    assert [(s.seconds, s.phase, s.session) for s in slow] == [(127.27, "call", "test-llama3-8b-zero3"),
+                                                               (86.49, "setup", "test-llama3-8b-zero3"),
+                                                               (62.49, "call", "unit")]
+
+
+def test_a_session_over_its_budget_is_a_warning_and_one_within_is_not(tmp_path, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / suite_time.BUDGETS).write_text("suite_minutes = 10\n[minutes]\nunit = 5\ntest-llama3-8b-zero3 = 4\n"
+                                               "image-build = 12\n")
+    write_times(tmp_path, {"unit": 240.0, "test-llama3-8b-zero3": 330.0, "image-build": 600.0}, failed=("unit",))
+    log = tmp_path / "log"
+    log.write_text(LOG)
+    assert suite_time.main(log, tmp_path) == 0  # a report, whatever it finds
+    out = capsys.readouterr().out.splitlines()
+    warnings = [line for line in out if line.startswith("warning:")]
+    assert warnings == ["warning: session test-llama3-8b-zero3 took 5.5 min, over its budget of 4 min"]
+    assert any(line.split()[:2] == ["unit", "4.0"] and line.endswith("FAILED") for line in out)
+    assert any("image-build" in line and "(in the background)" in line for line in out)
+    total = next(line for line in out if "total (one after another)" in line)
+    assert total.split()[-2:] == ["9.5", "10"]  # the background build is not in the total
+    write_times(tmp_path / "over", {"unit": 700.0})
+    (tmp_path / "over/tests").mkdir()
+    (tmp_path / "over" / suite_time.BUDGETS).write_text((tmp_path / suite_time.BUDGETS).read_text())
+    suite_time.main(log, tmp_path / "over")
+    over = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert over == ["warning: session unit took 11.7 min, over its budget of 5 min",
+                    "warning: the sessions took 11.7 min in all, over the suite's budget of 10 min"]
+
+
+def test_every_make_test_session_has_a_budget_and_they_add_up_to_the_suites():
+    import re
+
+    budgets = tomllib.loads((REPO / suite_time.BUDGETS).read_text())
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    sessions = re.search(r"^TEST_SESSIONS := (.*)$", makefile, re.M).group(1).split()
+    assert set(budgets["minutes"]) == set(sessions) | set(suite_time.BESIDE)
+    assert sum(m for s, m in budgets["minutes"].items() if s not in suite_time.BESIDE) <= budgets["suite_minutes"]
