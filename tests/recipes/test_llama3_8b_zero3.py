@@ -532,7 +532,8 @@ PER_MICRO_BATCH_MEAN = "loss = model(**batch).loss / step.backward_scale"  # the
 @pytest.fixture(scope="module")
 def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     """A 4-step run of 8 sequences per optimizer step, split as ``ranks x micro-batch x accumulation``;
-    each distinct launch runs once. ``per_micro_batch_mean``: train.py with each micro-batch's own mean
+    each distinct launch runs once; ``extra`` flags come last (a later flag wins: e.g. --save-every).
+    ``per_micro_batch_mean``: train.py with each micro-batch's own mean
     as its loss (the negative control)."""
     done, control = {}, None
 
@@ -552,8 +553,8 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
                     (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
                 cwd = control
             output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
-            proc = launch(cwd, *sizes(tiny_llama3), *split_args(ranks, micro, accum), *extra, "--output", str(output),
-                          "--max-steps", "4", "--save-every", "0", config=config, nproc=ranks)
+            proc = launch(cwd, *sizes(tiny_llama3), *split_args(ranks, micro, accum), "--output", str(output),
+                          "--max-steps", "4", "--save-every", "0", *extra, config=config, nproc=ranks)
             assert_finished(proc, 4)
             done[key] = output
         return done[key]
@@ -672,6 +673,7 @@ def test_an_fp8_run_resumes_exactly_and_saves_a_plain_bf16_model(fp8_run, run, r
 # ---- long context: ranks that share each sequence (Ulysses, DeepSpeed ALST) ----
 
 SEQUENCE_PARALLEL = ("--sequence-parallel", "2")
+SAVE_EACH_STEP = ("--save-every", "1", "--keep-checkpoints", "0")  # the padded run's checkpoints, resumed below
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed-tiled-mlp"])
@@ -682,19 +684,17 @@ def test_two_ranks_sharing_each_sequence_train_the_model_one_rank_trains(packed,
     in slices (--tiled-mlp)."""
     pack = ("--pack",) if packed else ()
     runs = {(1, 8, 1): split_run(1, 8, 1, *pack),
-            (2, 8, 1): split_run(2, 8, 1, *pack, *SEQUENCE_PARALLEL, *(("--tiled-mlp",) if packed else ()))}
+            (2, 8, 1): split_run(2, 8, 1, *pack, *SEQUENCE_PARALLEL, *(("--tiled-mlp",) if packed else SAVE_EACH_STEP))}
     assert_one_model_for_every_split(runs, tiny_llama3)
 
 
-def test_a_sequence_parallel_checkpoint_resumes_without_it_and_back(recipe_copy, tiny_llama3, tmp_path):
-    """Saved by 2 ranks sharing each sequence (micro-batch 8), resumed at step 2 by 2 ranks with their own
-    sequences (micro-batch 4: the same 8 per step), whose step-3 checkpoint resumes with sequence parallelism
-    again: steps 3 and 4 log what the uninterrupted run logged, within the split tolerance."""
-    common = [*sizes(tiny_llama3)[:6], "--lr", "1e-3", "--grad-accum", "1", "--max-steps", "4", "--save-every", "1",
-              "--keep-checkpoints", "0"]
-    straight, without, back = tmp_path / "straight", tmp_path / "without", tmp_path / "back"
-    assert_finished(launch(recipe_copy, *common, "--micro-batch-size", "8", *SEQUENCE_PARALLEL,
-                           "--output", str(straight)), 4)
+def test_a_sequence_parallel_checkpoint_resumes_without_it_and_back(split_run, recipe_copy, tiny_llama3, tmp_path):
+    """Saved by 2 ranks sharing each sequence (micro-batch 8; the padded run of the test above), resumed at step 2
+    by 2 ranks with their own sequences (micro-batch 4: the same 8 per step), whose step-3 checkpoint resumes with
+    sequence parallelism again: steps 3 and 4 log what the uninterrupted run logged, within the split tolerance."""
+    common = [*sizes(tiny_llama3), "--grad-accum", "1", "--max-steps", "4", *SAVE_EACH_STEP]
+    straight = split_run(2, 8, 1, *SEQUENCE_PARALLEL, *SAVE_EACH_STEP)
+    without, back = tmp_path / "without", tmp_path / "back"
     shutil.copytree(straight / "checkpoints/step_000002", without / "checkpoints/step_000002")
     proc = launch(recipe_copy, *common, "--micro-batch-size", "4", "--output", str(without))
     assert_finished(proc, 4)
@@ -710,28 +710,12 @@ def test_a_sequence_parallel_checkpoint_resumes_without_it_and_back(recipe_copy,
     assert abs(step3 - want[3]) <= SPLIT_LOSS_ATOL and abs(step4 - want[4]) <= SPLIT_LOSS_ATOL, (want, step3, step4)
 
 
-def test_relaunching_the_same_command_resumes_past_an_interrupted_save(run, recipe_copy, tiny_llama3, tmp_path):
-    """An output holding step 4 and the remains of a save of step 8 that never completed (a
-    killed process leaves only the .partial folder): the unchanged command deletes the remains,
-    resumes from step 4 and trains on like the uninterrupted run."""
-    output = tmp_path / "interrupted"
-    shutil.copytree(run / f"checkpoints/step_{SAVE_EVERY:06d}", output / f"checkpoints/step_{SAVE_EVERY:06d}")
-    partial = output / f"checkpoints/step_{STEPS:06d}.partial"
-    shutil.copytree(run / f"checkpoints/step_{STEPS:06d}", partial, ignore=shutil.ignore_patterns("*.json"))
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
-    assert_finished(proc, STEPS)
-    assert f"removed {partial}: a checkpoint save that never completed" in proc.stdout
-    assert f"at step {SAVE_EVERY}" in proc.stdout
-    assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
-    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == [f"step_{SAVE_EVERY:06d}", f"step_{STEPS:06d}"]
-    assert (output / f"checkpoints/step_{STEPS:06d}/manifest.json").is_file()
-
-
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recipe_copy, tiny_llama3, tmp_path):
     """SIGTERM to every process of the job mid-run: the ranks agree to stop after the same step,
     checkpoint it and exit 0; the unchanged command then finishes with the uninterrupted losses.
-    (The launcher, signalled too, reports the signal it got and exits non-zero.)"""
+    (The launcher, signalled too, reports the signal it got and exits non-zero.) Before the relaunch
+    the output also gets the remains of a save of step 8 that never completed (a killed process
+    leaves only the .partial folder): the relaunch deletes them and resumes from the stopped step."""
     output = tmp_path / "preempted"
     args = (*sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY),
             "--keep-checkpoints", "0")
@@ -749,8 +733,16 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     assert seconds < 60, f"{seconds:.1f} s from SIGTERM to exit"
     assert [m["step"] for m in read_metrics(output)] == list(range(1, step + 1))
 
-    assert_finished(launch(recipe_copy, *args), STEPS, "relaunch")
+    partial = output / f"checkpoints/step_{STEPS:06d}.partial"
+    shutil.copytree(run / f"checkpoints/step_{STEPS:06d}", partial, ignore=shutil.ignore_patterns("*.json"))
+    relaunched = launch(recipe_copy, *args)
+    assert_finished(relaunched, STEPS, "relaunch")
+    assert f"removed {partial}: a checkpoint save that never completed" in relaunched.stdout
+    assert f"at step {step}" in relaunched.stdout
     assert losses(output) == pytest.approx(losses(run), abs=1e-4)
+    saved = sorted({f"step_{step:06d}", f"step_{SAVE_EVERY:06d}", f"step_{STEPS:06d}"})
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == saved
+    assert (output / f"checkpoints/step_{STEPS:06d}/manifest.json").is_file()
 
 
 def test_a_job_killed_whole_twice_resumes_bit_for_bit_and_a_second_launch_meanwhile_is_refused(
@@ -787,27 +779,27 @@ def test_a_job_killed_whole_twice_resumes_bit_for_bit_and_a_second_launch_meanwh
 
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(run, recipe_copy, tiny_llama3, tmp_path):
-    """2 ranks -> 1 and 1 -> 2, the global batch kept (micro-batch x accumulation x ranks = 16):
-    DeepSpeed's universal checkpoint carries weights, optimizer and schedule; the data position is
-    counted in examples. The same examples make each step, so the losses are those of the
-    uninterrupted 2-rank run, up to the order of floating-point sums."""
-    common = ("--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0")
+    """2 ranks -> 1, then that 1-rank run's checkpoint -> 2, the global batch kept (micro-batch x accumulation x
+    ranks = 16): DeepSpeed's universal checkpoint carries weights, optimizer and schedule; the data position is
+    counted in examples. The same examples make each step, so the losses are those of the uninterrupted 2-rank
+    run, up to the order of floating-point sums. (That one rank from the start trains the 2-rank model is the
+    split tests' 1 x 8 x 1 against 2 x 4 x 1.)"""
+    common = ("--max-steps", str(STEPS), "--keep-checkpoints", "0")
     one_rank = [*sizes(tiny_llama3), "--grad-accum", "4"]  # the last --grad-accum wins
 
     down = tmp_path / "down"
-    proc = launch(recipe_copy, *one_rank, *common, "--output", str(down),
+    proc = launch(recipe_copy, *one_rank, *common, "--save-every", "2", "--output", str(down),
                   "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), nproc=1)
     assert_finished(proc, STEPS, "2 -> 1")
     assert "was saved by 2 ranks; converting it for 1 (DeepSpeed universal checkpoint" in proc.stdout
     assert_resumed_like_uninterrupted(run, down, SAVE_EVERY, STEPS, atol=5e-4)
 
-    single = tmp_path / "single"
-    assert_finished(launch(recipe_copy, *one_rank, *common, "--output", str(single), nproc=1), STEPS, "1 rank")
-    assert losses(single) == pytest.approx(losses(run), abs=5e-4)  # 1 x 4 x 4 is 2 x 4 x 2
-    up = tmp_path / "up"
-    assert_finished(launch(recipe_copy, *sizes(tiny_llama3), *common, "--output", str(up),
-                           "--resume", str(single / f"checkpoints/step_{SAVE_EVERY:06d}")), STEPS, "1 -> 2")
-    assert_resumed_like_uninterrupted(run, up, SAVE_EVERY, STEPS, atol=5e-4)
+    up, at = tmp_path / "up", SAVE_EVERY + 2
+    proc = launch(recipe_copy, *sizes(tiny_llama3), *common, "--save-every", str(SAVE_EVERY), "--output", str(up),
+                  "--resume", str(down / f"checkpoints/step_{at:06d}"))
+    assert_finished(proc, STEPS, "1 -> 2")
+    assert "was saved by 1 rank" in proc.stdout, proc.stdout[-2000:]
+    assert_resumed_like_uninterrupted(run, up, at, STEPS, atol=5e-4)
 
 
 def test_the_slurm_script_stops_on_usr1_and_requeues_itself(run, recipe_copy, tiny_llama3, tmp_path):

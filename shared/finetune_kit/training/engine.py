@@ -3,6 +3,7 @@ optimizer, the learning-rate schedule and the gradient clipping norm. The recipe
 
 from __future__ import annotations
 
+import functools
 import math
 
 from finetune_kit.launch import config_checks, fsdp
@@ -41,18 +42,29 @@ def optimizer_and_schedule(params, checked, args, total_steps: int):
     with the shipped ZeRO configs' betas and eps (``fsdp.ADAMW``)."""
     import torch
     from accelerate.utils import DummyOptim, DummyScheduler
-    from transformers import get_cosine_schedule_with_warmup
 
     warmup = math.ceil(args.warmup_ratio * total_steps)
 
     def schedule(opt):
-        return get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total_steps)
+        return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(cosine_with_warmup, warmup=warmup,
+                                                                        total=total_steps))
 
     if checked.fsdp is not None:
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **fsdp.ADAMW)
         return optimizer, schedule(optimizer)
     optimizer = DummyOptim(params, lr=args.lr, weight_decay=args.weight_decay)
     return optimizer, DummyScheduler(optimizer, lr_scheduler_callable=schedule)
+
+
+def cosine_with_warmup(step: int, *, warmup: int, total: int) -> float:
+    """The learning rate's factor at ``step``: linear from 0 over ``warmup`` steps, then half a cosine down to 0 at
+    ``total``. transformers' ``get_cosine_schedule_with_warmup`` to the bit (a unit test compares them); written
+    here because importing ``transformers.optimization`` imports the Trainer's utilities and PEFT, seconds of
+    CPU per rank at every launch."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
 def max_grad_norm(checked) -> float:
