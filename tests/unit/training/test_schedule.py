@@ -25,3 +25,19 @@ def test_the_comparison_bites_on_a_schedule_one_step_longer():
                                              num_warmup_steps=3, num_training_steps=41)
     ours = [cosine_with_warmup(s, warmup=3, total=40) for s in range(42)]
     assert ours != [theirs.lr_lambdas[0](s) for s in range(42)]
+
+
+def test_the_optimizer_and_schedule_import_no_peft():
+    """transformers.optimization imports the Trainer's utilities, PEFT and bitsandbytes: seconds of CPU in every
+    rank of every launch (the 8B recipe uses neither). Run in a fresh interpreter: this one may have them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, types, torch\n"
+            "from finetune_kit.training import engine\n"
+            "args = types.SimpleNamespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.1)\n"
+            "checked = types.SimpleNamespace(fsdp=object())\n"
+            "opt, schedule = engine.optimizer_and_schedule([torch.nn.Parameter(torch.ones(1))], checked, args, 10)\n"
+            "print(sorted({'peft', 'bitsandbytes', 'transformers.optimization'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
