@@ -890,6 +890,8 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("empty_after_filter", r"no training examples left"),
     ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
     ("no_model", r"model path '/no/such/model' does not exist"),
+    ("model_without_tokenizer", r"model folder '.*bare' has config\.json but no tokenizer \(none of tokenizer\.json, "
+                                r".*\)\. Save the tokenizer beside the weights"),
     ("deepspeed_typo", r"unknown key 'zero_optimization\.stage3_prefetch_bucket_sise' \(did you mean "
                        r"'zero_optimization\.stage3_prefetch_bucket_size'\?\)"),
     ("unwritable_output", r"output folder '.*taken/out' cannot be written.*\(Not a directory\)"),
@@ -908,7 +910,7 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("sample_before_without_samples", r"--sample-before with --samples 0: there are no prompts to answer before "
                                       r"training\. Pass --samples 4"),
     ("no_sample_tokens", r"--sample-tokens 0: the most new tokens of a sample answer, 1 or more"),
-    ("missing_sample_prompts", r"data file '.*absent-prompts\.jsonl' does not exist"),
+    ("missing_sample_prompts", r"data file '.*absent-prompts\.jsonl' does not exist\. Pass --sample-prompts with"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -936,6 +938,9 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--max-seq-len"] = "4096"
     elif case == "no_model":
         args["--model"] = "/no/such/model"
+    elif case == "model_without_tokenizer":  # what a bare model.save_pretrained(folder) leaves
+        shutil.copytree(tiny_llama3, tmp_path / "bare", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+        args["--model"] = str(tmp_path / "bare")
     elif case == "negative_loss_chunks":
         args["--loss-chunks"] = "-1"
     elif case == "negative_data_workers":

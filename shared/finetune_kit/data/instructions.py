@@ -65,10 +65,11 @@ class InstructionRows:
 
 
 def load_rows(source: str, data_format: str = "auto", prompt_field: str = "prompt",
-              response_field: str = "response", split: str = "train") -> InstructionRows:
+              response_field: str = "response", split: str = "train", flag: str = "--data") -> InstructionRows:
     """Read ``source`` (a .jsonl/.json/.csv path or a hub dataset name), detect or check its
-    format and check every row; raise DataError naming the problem before anything starts."""
-    rows = _read(source, split)
+    format and check every row; raise DataError naming the problem before anything starts.
+    ``flag``: the option that named ``source``, as the errors name it (e.g. --sample-prompts)."""
+    rows = _read(source, split, flag)
     if len(rows) == 0:
         raise DataError(f"data '{source}' has no rows. Pass a file with at least one example per line.")
     fmt = formats.detect(rows.column_names, data_format, prompt_field, response_field, source)
@@ -76,7 +77,7 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
     return InstructionRows(rows, fmt, source, (prompt_field, response_field))
 
 
-def _read(source: str, split: str):
+def _read(source: str, split: str, flag: str = "--data"):
     import datasets
 
     path = Path(source)
@@ -93,7 +94,7 @@ def _read(source: str, split: str):
     path = path.expanduser()
     if not path.is_file():
         raise DataError(
-            f"data file '{source}' does not exist. Pass --data with the path of a "
+            f"data file '{source}' does not exist. Pass {flag} with the path of a "
             f".jsonl, .json or .csv file (the sample is {SAMPLE_INSTRUCTIONS})."
         )
     kind = FILE_FORMATS.get(path.suffix.lower())

@@ -9,7 +9,8 @@ importable from here."""
 
 from importlib import import_module
 
-_LAZY = {**dict.fromkeys(("load_config", "check_seq_len", "load_tokenizer", "ensure_pad_token", "load_causal_lm"),
+_LAZY = {**dict.fromkeys(("load_config", "check_seq_len", "check_tokenizer_files", "load_tokenizer", "ensure_pad_token",
+                          "load_causal_lm"),
                          "finetune_kit.models.loading"),
          "use_chunked_loss": "finetune_kit.models.chunked_loss",
          "offload_activations": "finetune_kit.models.activation_offload",

@@ -88,6 +88,25 @@ def check_seq_len(max_seq_len: int, config, model: str) -> None:
         )
 
 
+# Files a tokenizer loads from (transformers reads any one): a fast tokenizer's tokenizer.json, SentencePiece's
+# model (Llama 2), a BPE or WordPiece vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+def check_tokenizer_files(model: str) -> None:
+    """A local model folder holds a tokenizer, or a ConfigError naming the fix: several export tools and a bare
+    ``model.save_pretrained(folder)`` leave the weights and config.json alone, and every rank would then die in
+    ``AutoTokenizer.from_pretrained`` after the launch. A hub id is left to the hub."""
+    path = Path(model).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"model folder '{model}' has config.json but no tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
+            "Save the tokenizer beside the weights (tokenizer.save_pretrained(folder)), or copy those files from "
+            "the base model the weights came from."
+        )
+
+
 def load_tokenizer(model: str):
     """The model's tokenizer, with a pad token that is not EOS (EOS must stay learnable)."""
     from transformers import AutoTokenizer

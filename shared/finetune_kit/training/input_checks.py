@@ -310,11 +310,12 @@ def _samples(args, dash: str) -> None:
     if args.sample_prompts:  # read and checked now, as --data is: a bad file fails before the launch
         from finetune_kit.data.instructions import load_rows
 
-        load_rows(args.sample_prompts)
+        load_rows(args.sample_prompts, flag=name("sample_prompts"))
 
 
 def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:
     config = models.load_config(model)
+    models.check_tokenizer_files(model)
     models.check_seq_len(max_seq_len, config, model)
     return config, from_config(config)
 

@@ -50,7 +50,7 @@ def sample_prompts(args, heldout: list[dict], tokenizer, template) -> list[Promp
     if not args.samples:
         return []
     if args.sample_prompts:
-        rows = instructions.load_rows(args.sample_prompts)
+        rows = instructions.load_rows(args.sample_prompts, flag="--sample-prompts")
         conversations = [{"example_id": None, "messages": rows.format.to_messages(row)} for row in rows.rows]
     else:
         conversations = heldout[: args.samples]

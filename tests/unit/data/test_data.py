@@ -236,3 +236,11 @@ def test_an_empty_answer_inside_a_conversation_is_not_learnt(tok3):
     example, status = encode(tok3, turns)
     spans = learnt_spans(example)
     assert status == "ok" and [tok3.decode(s, skip_special_tokens=True) for s in spans] == [ANSWERS[0], ANSWERS[2]]
+
+
+def test_a_missing_file_is_named_with_the_flag_that_named_it(tmp_path):
+    from finetune_kit.data.instructions import load_rows
+
+    for flag in ("--data", "--sample-prompts"):
+        with pytest.raises(DataError, match=rf"data file '.*absent\.jsonl' does not exist\. Pass {flag} with"):
+            load_rows(str(tmp_path / "absent.jsonl"), flag=flag)
