@@ -129,7 +129,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                            tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check),
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
-        saving=bool(args.save_every), no_save_flag="--save-every 0",
+        saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model,
         script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
@@ -187,7 +187,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
         report_to=(trainer_kwargs.get("report_to"), "--report_to"), output=Path(trainer_kwargs["output_dir"]),
         layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
         check_resume=check_resume, identity=identity,
-        saving=trainer_kwargs["save_strategy"] != "no", no_save_flag="--save_strategy no",
+        saving=trainer_kwargs["save_strategy"] != "no", no_save_flag="--save_strategy no", model=recipe_args.model,
         script_args={**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
                                              if k not in ("output_dir", "resume_from_checkpoint", "report_to")}})
 
@@ -195,11 +195,13 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
 def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, ds_config: dict,
             fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
-            saving: bool, no_save_flag: str, script_args: dict, method: str = "full",
+            saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
             num_labels: int | None = None) -> CheckedLaunch:
-    """The checks both front ends share, in order: memory, engine needs, metrics, output, resume, disk."""
+    """The checks both front ends share, in order: memory, the model's tokenizer files, engine needs, metrics,
+    output, resume, disk."""
     plan = memory.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
                             **memory_kwargs)
+    models.check_tokenizer_files(model)
     if fsdp_launch is None:
         cuda_ops.check_ops(ds_config, quantized=method == "qlora")
         nvme.check_paths(ds_config, str(ds_path))
@@ -315,7 +317,6 @@ def _samples(args, dash: str) -> None:
 
 def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:
     config = models.load_config(model)
-    models.check_tokenizer_files(model)
     models.check_seq_len(max_seq_len, config, model)
     return config, from_config(config)
 

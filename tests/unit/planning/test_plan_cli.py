@@ -97,7 +97,8 @@ def test_8b_recipe_refuses_a_launch_that_cannot_fit(monkeypatch, real_8b_config)
 @pytest.mark.parametrize("extra,config", [(["--skip-memory-check"], "configs/zero3.json"),
                                           ([], "configs/zero3-offload.json")], ids=["skip-flag", "offload-fits"])
 def test_8b_recipe_passes_the_check(monkeypatch, real_8b_config, extra, config):
-    from finetune_kit.errors import DataError
+    from finetune_kit.errors import ConfigError
 
-    with pytest.raises(DataError):  # got past the memory check to loading the data
+    # got past the memory check to the next one: the folder holds config.json alone, no tokenizer
+    with pytest.raises(ConfigError, match="has config.json but no tokenizer"):
         start_8b_recipe(monkeypatch, real_8b_config, *extra, config=config)
