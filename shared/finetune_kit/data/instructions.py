@@ -77,7 +77,7 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
     return InstructionRows(rows, fmt, source, (prompt_field, response_field))
 
 
-def _read(source: str, split: str, flag: str = "--data"):
+def _read(source: str, split: str, flag: str):
     import datasets
 
     path = Path(source)

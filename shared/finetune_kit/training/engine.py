@@ -64,7 +64,7 @@ def cosine_with_warmup(step: int, *, warmup: int, total: int) -> float:
     if step < warmup:
         return float(step) / float(max(1, warmup))
     progress = float(step - warmup) / float(max(1, total - warmup))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # their pi * 0.5 * 2.0: the same float
 
 
 def max_grad_norm(checked) -> float:
