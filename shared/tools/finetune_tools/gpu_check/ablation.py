@@ -110,10 +110,12 @@ def fp8_block(prefix: str, engine: str, bf16_case: str, fp8_case: str, scalings:
 
 
 BOTH_SCALINGS = ("tensorwise", "rowwise")
+# the most informative blocks first: compiled FSDP2 (where torchao reports fp8's gain), then the ZeRO-3
+# recipe's default engine, then uncompiled FSDP2
 FP8_VARIANTS = [
+    *fp8_block("8b-fsdp2-compile", "FSDP2", "llama3-8b-zero3-fsdp2", cases.FP8_FSDP2, BOTH_SCALINGS, compiled=True),
     *fp8_block("8b-zero3", "ZeRO-3", "llama3-8b-zero3", "llama3-8b-zero3", ("tensorwise",), compiled=False),
     *fp8_block("8b-fsdp2", "FSDP2", "llama3-8b-zero3-fsdp2", cases.FP8_FSDP2, BOTH_SCALINGS, compiled=False),
-    *fp8_block("8b-fsdp2-compile", "FSDP2", "llama3-8b-zero3-fsdp2", cases.FP8_FSDP2, BOTH_SCALINGS, compiled=True),
 ]
 VARIANTS += FP8_VARIANTS
 
@@ -166,8 +168,16 @@ BY_NAME = {v.name: v for v in VARIANTS}
 # models are built once before, in about 2 minutes beside DeepSpeed's op compilation.
 SECONDS_ON_H100 = {"llama3-8b-zero3": 57, "llama3-8b-zero3-fsdp2": 63, "llama2-13b-zero2-bf16": 67,
                    "llama3-70b-qlora": 55, "llama3-8b-zero3-offload": 122}
-COMPILE_SECONDS = 60  # predicted, not measured: Inductor's compilation of one decoder layer, forward and backward
-SETUP_SECONDS = 150  # install, the model builds and the op compilation, before the first variant
+# Inductor's compilation of the decoder layers, forward and backward (static shapes at the first step, dynamic at
+# the first length change), measured on one H100 (2026-11-27, results/runs/fp8/): the compiled FSDP2 rows took
+# 97, 102 and 120 s (bf16, fp8 tensorwise, fp8 rowwise) against 63 s uncompiled (SECONDS_ON_H100): 34-57 s more
+COMPILE_SECONDS = 43
+SETUP_SECONDS = 150  # install, the model builds and both ops' compilation (fused, CPU Adam), before the first row
+# A group with no offloaded optimizer compiles fused Adam alone: the smoke's set-up, measured on one H100
+# (2026-11-26: install 5 s, check models of 1.5e9 and 3.8e9 parameters built in 27 s and 38 s beside fused
+# Adam's compile), bounds a group whose models are no larger
+GPU_ADAM_SETUP_SECONDS = 94
+GPU_ADAM_SETUP_PARAMS = (check_shape("llama3-8b", 2).total_params() + check_shape("llama3.3-70b", 2).total_params())
 # cases not measured yet, each timed as the measured case it differs from only in how the weights load (predicted)
 TIMED_LIKE = {cases.FP8_FSDP2: "llama3-8b-zero3-fsdp2"}
 
@@ -222,6 +232,16 @@ def expected_seconds(variant: Variant) -> float:
     return per_case * max(1.0, variant.grad_accum / 4) + ("--compile" in variant.flags) * COMPILE_SECONDS
 
 
+def setup_seconds(variants: list[Variant]) -> float:
+    """Seconds before the first of ``variants`` starts on a fresh machine: :data:`GPU_ADAM_SETUP_SECONDS` where no
+    case offloads its optimizer and the models to build hold no more parameters than the smoke's, else
+    :data:`SETUP_SECONDS`."""
+    used = [cases.EVERY_CASE[name] for name in {v.case for v in variants}]
+    params = sum(check_shape(arch, layers).total_params() for arch, layers in {(c.arch, c.layers) for c in used})
+    small = not any(map(cases.cpu_adam, used)) and params <= GPU_ADAM_SETUP_PARAMS
+    return GPU_ADAM_SETUP_SECONDS if small else SETUP_SECONDS
+
+
 def one_loss_kernel(case: cases.Case, flags: tuple[str, ...]) -> tuple[str, ...]:
     """``flags`` with the chunked loss named unless they name a loss kernel. With liger-kernel installed (the GPU
     bundle carries it), the recipes' ``--loss-kernel auto`` picks Liger's fused loss: every row would then run it,
@@ -249,14 +269,13 @@ def batches(variants: list[Variant], budget_s: float) -> list[list[Variant]]:
     """``variants`` in order, split into groups whose expected time (with the set-up each group
     repeats on a fresh machine) fits ``budget_s``: one ``--variants`` list per GPU command. A row
     stays in its baseline's group (:func:`units`); a run longer than the budget gets a group alone."""
-    groups, spent = [[]], SETUP_SECONDS
+    groups: list[list[Variant]] = [[]]
     for unit in units(variants):
-        seconds = sum(map(expected_seconds, unit))
-        if groups[-1] and spent + seconds > budget_s:
-            groups.append([])
-            spent = SETUP_SECONDS
-        groups[-1] += unit
-        spent += seconds
+        grown = groups[-1] + unit
+        if groups[-1] and setup_seconds(grown) + sum(map(expected_seconds, grown)) > budget_s:
+            groups.append(list(unit))
+        else:
+            groups[-1] = grown
     return groups
 
 

@@ -81,6 +81,11 @@ BY_NAME = {case.name: case for case in CASES}  # what --cases takes
 EVERY_CASE = {case.name: case for case in CASES + LONG_CASES + FP8_CASES}  # what an ablation row may name
 
 
+def cpu_adam(case: Case) -> bool:
+    """Whether the case's optimizer runs in CPU memory (DeepSpeed's CPU Adam op, compiled before the cases)."""
+    return any("offload" in part for part in case.launcher + case.flags)
+
+
 def positions(case: Case) -> int:
     """The longest sequence the case's model takes (its max_position_embeddings)."""
     from finetune_kit.models.shapes import KNOWN_MODELS

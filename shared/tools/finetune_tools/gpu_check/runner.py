@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from finetune_tools.gpu_check import ablation, host_check
-from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, recipe_flags
+from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, cpu_adam, recipe_flags
 from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
 from finetune_tools.paths import find_root
 from finetune_tools.tables import text_table
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     print(f"host check: {len(runnable)} case(s) ready", flush=True)
     if args.ablation:
         to_run = [v for v, f in zip(variants, run_flags, strict=True) if not host_check.not_applicable(f, capability)]
-        expected = ablation.SETUP_SECONDS + sum(map(ablation.expected_seconds, to_run))
+        expected = ablation.setup_seconds(to_run) + sum(map(ablation.expected_seconds, to_run))
         print(f"ablation: {len(to_run)} variant(s), expected about {expected / 60:.0f} min on one H100 "
               "(gpu_check.ablation.SECONDS_ON_H100, measured per case there; long-context and fp8 rows predicted)"
               + (f"; {len(variants) - len(to_run)} not applicable on this GPU" if len(to_run) < len(variants) else ""),
@@ -287,8 +287,10 @@ def main(argv=None) -> int:
 
         if note := jit_arch_list():  # the cases inherit the same value: their compile finds this one's build
             print(note, flush=True)
+        needed = {name: code for name, code in OPS.items()
+                  if name != "cpu_adam" or any(map(cpu_adam, runnable))}  # CPU Adam only for an offloaded case
         ops = {name: subprocess.Popen([sys.executable, "-c", code], stdout=(out / f"ops-{name}.log").open("w"),
-                                      stderr=subprocess.STDOUT) for name, code in OPS.items()}
+                                      stderr=subprocess.STDOUT) for name, code in needed.items()}
         ops_started = time.monotonic()
     models = build_models(specs, out, tiny=tiny)
     for name, proc in (ops or {}).items():
