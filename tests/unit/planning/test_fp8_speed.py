@@ -1,5 +1,7 @@
 """The speed model's fp8 matmuls: the share of the model FLOPs they carry, their gain bounded by the peaks,
-the published speed-ups (one fitted, one held out), and the planner's fp8 lines and refusals."""
+the published speed-ups (one fitted, one held out) under the fit on published figures alone, the cost fitted on
+the pairs measured here (results/runs/fp8/, tests/unit/results/test_fp8_pairs.py), and the planner's fp8 lines
+and refusals."""
 
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ from finetune_tools.planning.speed import (
 from tests.harness import REPO
 
 LLAMA3_8B = resolve_model("llama3-8b")
-EFFICIENCY, _ = calibrated(REPO / "results/speed-calibration.json")
+EFFICIENCY, _ = calibrated(REPO / "results/speed-calibration.json")  # with the fp8 cost fitted on measured pairs
+PUBLISHED_ONLY = replace(EFFICIENCY, fp8_overhead={})  # the fp8 cost from torchao's published pair (and assumed)
 H100_NODE = Cluster(GPUS["h100"], 8, 1)
 
 
-def speedup(job: Job, cluster: Cluster, recipe: str = "tensorwise", compiled: bool = True) -> float:
-    return predict_fp8(job, cluster, EFFICIENCY, recipe, compiled).tokens_per_s(cluster.gpus) \
-        / predict(job, cluster, EFFICIENCY).tokens_per_s(cluster.gpus)
+def speedup(job: Job, cluster: Cluster, recipe: str = "tensorwise", compiled: bool = True,
+            efficiency=EFFICIENCY) -> float:
+    return predict_fp8(job, cluster, efficiency, recipe, compiled).tokens_per_s(cluster.gpus) \
+        / predict(job, cluster, efficiency).tokens_per_s(cluster.gpus)
 
 
 def test_fp8_carries_the_decoder_linear_layers_share_of_the_8b_flops():
@@ -70,7 +74,8 @@ def test_the_covered_matmuls_run_at_the_fp8_peak_plus_the_overhead_the_rest_at_b
 
 @pytest.mark.parametrize("model", ["llama3-8b", "llama2-13b", "llama3.3-70b"])
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
-def test_compiled_fp8_is_never_slower_in_compute_bound_setups_and_stays_below_the_peak_ratio(model, gpu):
+def test_compiled_fp8_stays_below_the_peak_ratio_and_tensorwise_never_loses_where_compute_bound(model, gpu):
+    # measured on one H100: compiled tensorwise 1.06x, compiled rowwise 0.94x (results/README.md)
     cluster = Cluster(GPUS[gpu], 8, 1)
     ratio = GPUS[gpu].peak_fp8_tflops / GPUS[gpu].peak_bf16_tflops
     checked = 0
@@ -81,17 +86,21 @@ def test_compiled_fp8_is_never_slower_in_compute_bound_setups_and_stays_below_th
                           engine=engine)
                 if predict(job, cluster, EFFICIENCY).dominant != "compute":
                     continue
-                for recipe in FP8_PUBLISHED:
-                    assert 1.0 <= speedup(job, cluster, recipe) < ratio, (model, seq_len, micro_batch, engine)
+                assert 1.0 <= speedup(job, cluster, "tensorwise") < ratio, (model, seq_len, micro_batch, engine)
+                assert speedup(job, cluster, "rowwise") < speedup(job, cluster, "tensorwise")
+                for recipe in FP8_PUBLISHED:  # the published pairs: both scalings gain
+                    assert 1.0 <= speedup(job, cluster, recipe, efficiency=PUBLISHED_ONLY) < ratio
                 checked += 1
     assert checked >= 6
 
 
 def test_uncompiled_fp8_gains_less_than_compiled_and_rowwise_less_than_tensorwise():
     job = Job(LLAMA3_8B, micro_batch=4, grad_accum=4)
-    assert speedup(job, H100_NODE, compiled=False) < speedup(job, H100_NODE, "rowwise") \
-        < speedup(job, H100_NODE, "tensorwise")
-    assert fp8_overhead("tensorwise", False, EFFICIENCY) - fp8_overhead("tensorwise", True, EFFICIENCY) \
+    for efficiency in (EFFICIENCY, PUBLISHED_ONLY):
+        assert speedup(job, H100_NODE, compiled=False, efficiency=efficiency) \
+            < speedup(job, H100_NODE, "rowwise", efficiency=efficiency) \
+            < speedup(job, H100_NODE, "tensorwise", efficiency=efficiency)
+    assert fp8_overhead("tensorwise", False, PUBLISHED_ONLY) - fp8_overhead("tensorwise", True, PUBLISHED_ONLY) \
         == pytest.approx(UNFUSED_CASTS)
 
 
@@ -103,15 +112,18 @@ def test_negative_control_an_fp8_peak_equal_to_bf16_gains_nothing():
 def test_the_compiled_overhead_reproduces_the_published_pair_it_is_fitted_on():
     job = Job(LLAMA3_8B, seq_len=8192, micro_batch=1, engine="fsdp2")
     for recipe, (bf16, fp8) in FP8_PUBLISHED.items():
-        assert speedup(job, H100_NODE, recipe) == pytest.approx(fp8 / bf16, rel=1e-4)
+        assert speedup(job, H100_NODE, recipe, efficiency=PUBLISHED_ONLY) == pytest.approx(fp8 / bf16, rel=1e-4)
     assert 0 < fitted_fp8_overhead("tensorwise", EFFICIENCY) < fitted_fp8_overhead("rowwise", EFFICIENCY) < 0.5
 
 
 def test_held_out_torchtitan_float8_over_compiled_bf16_on_8_h100():
     # torchtitan benchmarks (results/published.csv: torchtitan-llama3.1-8b-compile): Llama 3.1 8B, FSDP, local
     # batch 2, torch.compile: 6,667 tokens/s per GPU in bf16, 8,532 with float8 (1.28x). Not fitted on.
+    # The fit on torchao's pair predicts it within 5%; the cost measured on the recipe's own path (one H100,
+    # 8 layers, fp8 weights gathered in bf16) predicts less: 1.10x, 14% under torchtitan's tuned run.
     job = Job(resolve_model("llama3.1-8b"), seq_len=8192, micro_batch=2, engine="fsdp2")
-    assert speedup(job, H100_NODE) == pytest.approx(8532 / 6667, rel=0.05)
+    assert speedup(job, H100_NODE, efficiency=PUBLISHED_ONLY) == pytest.approx(8532 / 6667, rel=0.05)
+    assert 1.0 < speedup(job, H100_NODE) < 8532 / 6667
 
 
 def test_fp8_peaks_of_the_gpu_profiles():
@@ -141,6 +153,19 @@ def test_plan_prints_the_predicted_fp8_speedup_for_zero3_and_fsdp2():
     rows = {line[:20].strip(): line for line in out.splitlines()}
     assert {"ZeRO-3, uncompiled", "FSDP2, uncompiled", "FSDP2, torch.compile"} <= set(rows)
     assert "(slower)" in rows["ZeRO-3, uncompiled"] and "(slower)" not in rows["FSDP2, torch.compile"]
+    assert all(rows[r].rstrip().endswith("fitted on a measured pair") for r in rows if r.startswith(("ZeRO", "FSDP")))
+
+
+def test_plan_says_which_fp8_cost_is_measured_and_which_predicted():
+    proc = run_plan("--recipe", "recipes/llama3-8b-zero3", "--gpu", "h100", "--fp8", "rowwise",
+                    "--calibration", "results/speed-calibration.json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:20].strip(): line.rstrip() for line in proc.stdout.split("fp8 over bf16 (predicted")[1].splitlines()}
+    assert rows["FSDP2, torch.compile"].endswith("fitted on a measured pair")
+    assert rows["ZeRO-3, uncompiled"].endswith(
+        "predicted: its measured compiled cost plus tensorwise's measured unfused casts")
+    uncalibrated = run_plan("--recipe", "recipes/llama3-8b-zero3", "--gpu", "h100", "--fp8", "rowwise")
+    assert "predicted: torchao's published pair plus assumed unfused casts" in uncalibrated.stdout
 
 
 def test_plan_without_fp8_prints_no_fp8_lines():

@@ -54,6 +54,7 @@ from finetune_tools.planning.speed import (
     Job,
     calibrated,
     check_fp8,
+    fp8_cost,
     fp8_share,
     job_for,
     predict,
@@ -247,14 +248,16 @@ def render_fp8(job: Job, cluster: Cluster, efficiency, recipe: str) -> str:
         rows.append([f"{engine}, {'torch.compile' if compiled else 'uncompiled'}", f"{bf16:,.0f}", f"{fast:,.0f}",
                      f"{fast / bf16:.2f}x" + (" (slower)" if fast < bf16 else ""),
                      f"{100 * bf16 * j.flops_per_token() / 1e12 / gpu.peak_bf16_tflops:.1f}",
-                     f"{100 * tflops / gpu.peak_bf16_tflops:.1f}", f"{100 * tflops / gpu.peak_fp8_tflops:.1f}"])
+                     f"{100 * tflops / gpu.peak_bf16_tflops:.1f}", f"{100 * tflops / gpu.peak_fp8_tflops:.1f}",
+                     fp8_cost(recipe, compiled, efficiency)[1]])
     head = (f"fp8 over bf16 (predicted; torchao float8 linear layers, {recipe} scaling; --compile runs under FSDP2 "
             f"only)\nfp8 matmuls carry {100 * fp8_share(job):.1f}% of the model FLOPs (the decoder's linear layers; "
-            "the LM head and attention stay bf16); the casts' cost is fitted on torchao's published 8B speed-up "
-            "when compiled and assumed when not (finetune_tools/planning/speed.py)\n")
+            "the LM head and attention stay bf16); the last column says where the casts' cost comes from: fitted on "
+            "a pair measured on one H100 (results/README.md, fp8 against bf16), or predicted "
+            "(finetune_tools/planning/speed.py, fp8_cost)\n")
     return head + text_table(["engine", "bf16 tokens/s per GPU", "fp8 tokens/s per GPU", "fp8 over bf16",
                               f"bf16 MFU % ({gpu.peak_bf16_tflops:,.0f} TFLOP/s)", "fp8 MFU % (same bf16 peak)",
-                              f"fp8 % of the fp8 peak ({gpu.peak_fp8_tflops:,.0f} TFLOP/s)"], rows)
+                              f"fp8 % of the fp8 peak ({gpu.peak_fp8_tflops:,.0f} TFLOP/s)", "fp8 cost"], rows)
 
 
 def cheapest_change(job: Job, cluster: Cluster, efficiency, pred) -> str:

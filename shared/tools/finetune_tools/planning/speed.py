@@ -127,6 +127,9 @@ class Efficiency:
     compute: dict = field(default_factory=lambda: {"full": 0.35, "frozen-base": 0.30})
     step_s_per_param: dict = field(default_factory=lambda: {"deepspeed": 5e-11, "torch": 1e-11})
     adam_params_per_s: float = 1.0e9
+    # fp8's added time, a fraction of the covered matmuls' bf16 time, fitted on measured bf16/fp8 pairs per
+    # "<scaling> compiled|uncompiled" (results/runs/fp8/; empty: none measured, see fp8_overhead)
+    fp8_overhead: dict = field(default_factory=dict)
 
     def compute_for(self, method: str, gpu: Gpu) -> float:
         return self.compute.get(f"{method} on {family(gpu)}", self.compute[method])
@@ -146,7 +149,8 @@ def calibrated(path=None) -> tuple[Efficiency, str]:
     if path is None or not Path(path).is_file():
         return Efficiency(), "uncalibrated defaults (no results/speed-calibration.json given)"
     data = json.loads(Path(path).read_text())
-    return Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s"]), str(path)
+    return (Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s"],
+                       data.get("fp8_overhead", {})), str(path))
 
 
 @dataclass(frozen=True)
@@ -322,32 +326,61 @@ def _with_fp8(base: Prediction, share: float, gpu: Gpu, overhead: float) -> Pred
     return replace(base, matmul_s=base.matmul_s - covered + fp8_matmul + overhead * covered)
 
 
-def fitted_fp8_overhead(recipe: str, efficiency: Efficiency | None = None) -> float:
-    """The compiled overhead (a fraction of the covered matmuls' bf16 time) at which the model reproduces the
-    published speed-up of ``recipe`` (:data:`FP8_PUBLISHED`), by bisection; 0 where even no overhead falls short."""
-    bf16, fp8_speed = FP8_PUBLISHED[recipe]
-    target = fp8_speed / bf16
-    job = Job(resolve_model("llama3-8b"), seq_len=FP8_PUBLISHED_SEQ_LEN, micro_batch=1, engine="fsdp2")
-    gpu = GPUS["h100"]
-    base = predict(job, Cluster(gpu, 8, 1), efficiency)
+def fit_fp8_overhead(job: Job, cluster: Cluster, speedup: float, efficiency: Efficiency | None = None) -> float:
+    """The overhead (a fraction of the covered matmuls' bf16 time) at which the model predicts ``speedup``, fp8's
+    tokens/s over bf16's, for ``job`` on ``cluster``, by bisection; 0 where even no overhead falls short."""
+    base = predict(job, cluster, efficiency)
     share = fp8_share(job)
 
-    def speedup(overhead: float) -> float:
-        return base.step_s / _with_fp8(base, share, gpu, overhead).step_s
+    def predicted(overhead: float) -> float:
+        return base.step_s / _with_fp8(base, share, cluster.gpu, overhead).step_s
 
-    low, high = 0.0, 1.0
-    if speedup(low) <= target:
+    low, high = 0.0, 16.0
+    if predicted(low) <= speedup:
         return 0.0
-    for _ in range(60):
+    for _ in range(80):
         middle = (low + high) / 2
-        low, high = (middle, high) if speedup(middle) > target else (low, middle)
+        low, high = (middle, high) if predicted(middle) > speedup else (low, middle)
     return (low + high) / 2
 
 
+def fitted_fp8_overhead(recipe: str, efficiency: Efficiency | None = None) -> float:
+    """The compiled overhead at which the model reproduces the published speed-up of ``recipe``
+    (:data:`FP8_PUBLISHED`: torchao's Llama 3 8B on 8 H100s)."""
+    bf16, fp8_speed = FP8_PUBLISHED[recipe]
+    job = Job(resolve_model("llama3-8b"), seq_len=FP8_PUBLISHED_SEQ_LEN, micro_batch=1, engine="fsdp2")
+    return fit_fp8_overhead(job, Cluster(GPUS["h100"], 8, 1), fp8_speed / bf16, efficiency)
+
+
+def fp8_key(recipe: str, compiled: bool) -> str:
+    """The key of :attr:`Efficiency.fp8_overhead`: ``"tensorwise compiled"``, ``"rowwise uncompiled"``."""
+    return f"{recipe} {'compiled' if compiled else 'uncompiled'}"
+
+
+def fp8_cost(recipe: str, compiled: bool, efficiency: Efficiency | None = None) -> tuple[float, str]:
+    """What fp8 adds, as a fraction of the covered matmuls' bf16 time, and where that figure comes from:
+
+    * fitted on a measured pair of this scaling and compile setting (``efficiency.fp8_overhead``): "measured";
+    * uncompiled, with this scaling measured compiled and another scaling measured both ways: this scaling's
+      compiled cost plus the unfused casts' measured cost of the other (predicted);
+    * else the compiled cost fitted on torchao's published pair (:data:`FP8_PUBLISHED`), plus
+      :data:`UNFUSED_CASTS` (an assumption) when not compiled (predicted)."""
+    measured = (efficiency or Efficiency()).fp8_overhead
+    key = fp8_key(recipe, compiled)
+    if key in measured:
+        return measured[key], "fitted on a measured pair"
+    both = [r for r in FP8_PUBLISHED if fp8_key(r, True) in measured and fp8_key(r, False) in measured]
+    if not compiled and fp8_key(recipe, True) in measured and both:
+        casts = measured[fp8_key(both[0], False)] - measured[fp8_key(both[0], True)]
+        return (measured[fp8_key(recipe, True)] + casts,
+                f"predicted: its measured compiled cost plus {both[0]}'s measured unfused casts")
+    return (fitted_fp8_overhead(recipe, efficiency) + (0.0 if compiled else UNFUSED_CASTS),
+            "predicted: torchao's published pair" + ("" if compiled else " plus assumed unfused casts"))
+
+
 def fp8_overhead(recipe: str, compiled: bool, efficiency: Efficiency | None = None) -> float:
-    """What fp8 adds, as a fraction of the covered matmuls' bf16 time: fitted when compiled, plus
-    :data:`UNFUSED_CASTS` (an assumption) when not."""
-    return fitted_fp8_overhead(recipe, efficiency) + (0.0 if compiled else UNFUSED_CASTS)
+    """What fp8 adds, as a fraction of the covered matmuls' bf16 time (:func:`fp8_cost`)."""
+    return fp8_cost(recipe, compiled, efficiency)[0]
 
 
 def predict_fp8(job: Job, cluster: Cluster, efficiency: Efficiency | None = None, recipe: str = "tensorwise",
