@@ -8,9 +8,9 @@ with ``torch._scaled_mm``, which accumulates in higher precision; weights, gradi
 and everything outside those matmuls stay as they were (bf16 compute, fp32 master weights). On an H100
 an fp8 matmul runs at up to twice the bf16 rate (1,979 against 989 dense TFLOP/s on the datasheet);
 torchtitan measured Llama 3.1 8B on 8 H100s at 1.28x the tokens/s of compiled bf16, the gain coming
-with torch.compile fusing the casts: uncompiled, the casts' own memory traffic can make fp8 slower than
-bf16 (the planner predicts 0.88x for the 8B recipe on 8 H100s, so under ZeRO-3, which cannot compile, fp8
-is not expected to pay).
+with torch.compile fusing the casts: uncompiled, the casts' own memory traffic makes fp8 slower than bf16.
+Measured here on one H100 (:data:`MEASURED_SPEEDUP`): under ZeRO-3, which cannot compile, 0.61x; compiled
+under FSDP2, tensorwise 1.06x and rowwise 0.94x. Every launch with ``--fp8`` says so (:func:`speed_note`).
 
 Which layers stay in bf16 (:func:`keeps_fp8`), as torchtitan chooses: the LM head (its output feeds
 the loss directly; torchtitan's ``filter_fqns=["output"]``), and any linear layer whose input or output
@@ -35,6 +35,10 @@ CHOICES = ("none", "tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 KEPT_IN_BF16 = ("lm_head",)  # torchtitan's filter_fqns=["output"]: the head that feeds the loss
 ALIGNMENT = 16  # torch._scaled_mm wants both matmul widths divisible by 16
+# fp8 tokens/s over bf16's in the same command, per (scaling, --compile), measured on one H100 80GB HBM3 on
+# 2026-11-27: Llama 3 8B truncated to 8 layers, 4,096 tokens x 2 x accumulation 4 (results/README.md, "fp8 against
+# bf16"; a test compares these with the records in results/runs/fp8/)
+MEASURED_SPEEDUP = {("tensorwise", True): 1.06, ("rowwise", True): 0.94, ("tensorwise", False): 0.61}
 
 
 def keeps_fp8(module, fqn: str) -> bool:
@@ -83,6 +87,22 @@ def check(choice: str, *, method: str, device_capability: tuple[int, int] | None
         raise ConfigError(f"--fp8 {choice} with fsdp_cpu_ram_efficient_loading: true: accelerate's torchao path "
                           "converts the layers of the whole model on every rank. Launch with configs/fsdp2-fp8.yaml "
                           "(fsdp_cpu_ram_efficient_loading: false), or a DeepSpeed config.")
+
+
+def speed_note(choice: str, compiled: bool) -> str:
+    """One line for the log of a run with ``--fp8 choice``: what this setting measured against bf16, and where fp8
+    pays."""
+    best = f"fp8 pays compiled under FSDP2 (configs/fsdp2-fp8.yaml --compile --fp8 tensorwise: " \
+           f"{MEASURED_SPEEDUP['tensorwise', True]:.2f}x)"
+    where = "on one H100 (results/README.md, fp8 against bf16)"
+    setting = f"--fp8 {choice} {'with' if compiled else 'without'} --compile"
+    if (choice, compiled) not in MEASURED_SPEEDUP:
+        return (f"{setting}: not measured; tensorwise {'compiled' if compiled else 'uncompiled'} measured "
+                f"{MEASURED_SPEEDUP['tensorwise', compiled]:.2f}x the bf16 tokens/s {where}; {best}")
+    speedup = MEASURED_SPEEDUP[choice, compiled]
+    verdict = "faster" if speedup > 1 else "slower: " + ("the casts run unfused; " if not compiled else "") + best
+    against = "compiled bf16" if compiled else "bf16"
+    return f"{setting}: measured {speedup:.2f}x the tokens/s of {against} {where}, {verdict}"
 
 
 def converted(model) -> int:

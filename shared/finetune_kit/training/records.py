@@ -50,10 +50,11 @@ def step_meter(accelerator, checked, model, args, total_steps: int, start):
     from finetune_kit.metering.step_meter import StepMeter
 
     if getattr(args, "fp8", "none") != "none":  # accelerate converted the layers in prepare: say how many
-        from finetune_kit.models.fp8 import converted
+        from finetune_kit.models.fp8 import converted, speed_note
 
         accelerator.print(f"fp8 ({args.fp8} scaling): {converted(model)} linear layers compute in float8; the LM head "
                           "and any layer not 16-aligned in bf16")
+        accelerator.print(speed_note(args.fp8, bool(getattr(args, "compile", False))))
     trainable = None if checked.method == "full" else trainable_parameters(model)
     flops = FlopCounter(checked.shape, num_labels=checked.num_labels, trainable=trainable,
                         head_trainable=trainable is not None and checked.num_labels is not None)
