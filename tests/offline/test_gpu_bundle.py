@@ -6,7 +6,8 @@ brings, none of deepspeed, bitsandbytes, datasets, pydantic or lm-eval. `make gp
 asks that environment for its packages and bundles what it lacks (with the eval extra and
 Liger-Kernel, as `make gpu-bundle` makes it); the bundle goes in with pip's --no-index, and the GPU
 smoke (`python -m finetune_tools.gpu_check --smoke`) runs from it at the tiny width, as it runs on a
-GPU host: each row in its own process, then make eval and make merge on what two rows saved.
+GPU host, its rows that use each carried library (REHEARSED): each row in its own process, then make eval
+and make merge on what two rows saved.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ HOST_LIBRARIES = ["transformers==5.17.0", "accelerate", "tokenizers", "safetenso
                   # what lm-eval needs that such an image has (docker/gpu-host-packages.txt)
                   "scikit-learn", "sacrebleu", "jinja2", "absl-py", "six", "xxhash", "joblib", "click"]
 EXTRAS = ["--extra", "eval", "--also", "liger-kernel==0.8.5"]  # as make gpu-bundle's BUNDLE_EXTRAS
+# The smoke's rows that bring each carried library into play: deepspeed, datasets and the pinned transformers
+# (samples), lm-eval (eval), torchao (fp8), bitsandbytes and peft (qlora, merge); liger-kernel's row says it is
+# not applicable on a CPU. The others (packed varlen, the tiled MLP with offloaded checkpoints, compiled FSDP2
+# fp8) use no library the bundle adds: the 8B recipe's tests run those paths on CPU, and every row's flags go
+# through the recipes' parsers in tests/unit/gpu_check/test_smoke.py.
+REHEARSED = ["8b-zero3-samples", "8b-eval-cuda", "8b-liger", "8b-zero3-fp8-rowwise", "70b-qlora", "70b-merge"]
 WORK = REPO / ".nox/gpu-host"
 
 
@@ -120,11 +127,13 @@ def test_the_smoke_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
                            capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
     assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
     assert where[2].startswith(str(host["site"])) and where[3].startswith(str(host["site"]))
-    proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--smoke", "--tiny", "--out",
-                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
+    proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--smoke", "--tiny", "--rows",
+                           ",".join(REHEARSED), "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     status = {row["name"]: row["status"] for row in summary["rows"]}
+    assert list(status) == REHEARSED
     assert status.pop("8b-liger") == "not applicable"  # Liger's kernel needs CUDA; on a GPU it runs
     assert set(status.values()) == {"ok"}, {r["name"]: r.get("error") for r in summary["rows"]}
     assert summary["libraries"]["transformers"] == "5.23.0" and summary["libraries"]["lm-eval"] == "0.4.13"
