@@ -86,18 +86,23 @@ $(NOX): docker/requirements.txt
 demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 	$(NOX) -s demo
 
-# make test runs noxfile.py's sessions in its order (TEST_SESSIONS, checked against it by a unit test). The
-# images of the last one build in the background, at the lowest CPU and disk priority, from when the shared
-# environment exists (after unit) while the recipes' sessions run; the image session then finds them in
-# podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
-TEST_SESSIONS := lint unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme test-llama2-13b-zero2 \
+# make test runs noxfile.py's sessions in its order (TEST_SESSIONS, checked against it by a unit test). Two
+# jobs run in the background, at the lowest CPU and disk priority, on the CPU the sessions leave idle: from when
+# the shared environment exists (the stack session), DeepSpeed's ops compile into it (the ops session: a rank
+# that needs one meanwhile waits for it); after unit, the last session's images build, which the image session
+# then finds in podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
+TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme test-llama2-13b-zero2 \
   test-llama3-70b-qlora slurm kubernetes live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
-	@rm -f .nox/session-times.jsonl; failed=0; $(NOX) -s lint unit || failed=1; \
+	@rm -f .nox/session-times.jsonl; failed=0; $(NOX) -s lint stack || failed=1; \
+	$(low_priority) $(NOX) -s ops > .nox/ops.log 2>&1 & ops=$$!; \
+	trap 'kill $$ops 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s unit || failed=1; \
 	$(low_priority) $(NOX) -s image-build > .nox/image-build.log 2>&1 & images=$$!; \
-	trap 'kill $$images 2>/dev/null; exit 130' INT TERM; \
-	$(NOX) -s $(filter-out lint unit image,$(TEST_SESSIONS)) || failed=1; \
+	trap 'kill $$ops $$images 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s $(filter-out lint stack unit image,$(TEST_SESSIONS)) || failed=1; \
+	wait $$ops || failed=1; cat .nox/ops.log; \
 	wait $$images || failed=1; cat .nox/image-build.log; \
 	$(NOX) -s image || failed=1; \
 	exit $$failed

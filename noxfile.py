@@ -30,9 +30,9 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme", "test-llama2-13b-zero2",
-                        "test-llama3-70b-qlora", "slurm", "kubernetes", "live-metrics", "gpu-check-cpu", "gpu-bundle",
-                        "wheelhouse", "image"]
+nox.options.sessions = ["lint", "stack", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme",
+                        "test-llama2-13b-zero2", "test-llama3-70b-qlora", "slurm", "kubernetes", "live-metrics",
+                        "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -84,15 +84,15 @@ def timed(func):
 
     @functools.wraps(func)
     def run(session: nox.Session) -> None:
-        start, ok = time.monotonic(), False
+        start, started, ok = time.monotonic(), time.time(), False
         try:
             func(session)
             ok = True
         finally:
             TIMES.parent.mkdir(exist_ok=True)
             with TIMES.open("a") as f:
-                f.write(json.dumps({"session": session.name, "seconds": round(time.monotonic() - start, 1),
-                                    "ok": ok}) + "\n")
+                f.write(json.dumps({"session": session.name, "started": round(started, 1),
+                                    "seconds": round(time.monotonic() - start, 1), "ok": ok}) + "\n")
 
     return run
 
@@ -111,6 +111,22 @@ def lint(session: nox.Session) -> None:
     for dockerfile in sorted(ROOT.glob("**/Dockerfile")):
         if ".nox" not in dockerfile.parts:
             session.run("hadolint", "--failure-threshold", "warning", str(dockerfile))
+
+
+@nox.session(name="stack", venv_backend="none")
+@timed
+def stack_session(session: nox.Session) -> None:
+    """The shared environment every later session runs in, built (or found up to date) before them: make test
+    then compiles DeepSpeed's ops into it in the background (the ops session) while the tests run."""
+    stack(session)
+
+
+@nox.session(venv_backend="none", default=False)
+@timed
+def ops(session: nox.Session) -> None:
+    """DeepSpeed's JIT ops the sessions load on CPU, compiled into the shared environment's cache ahead of
+    their first use (tests/ops.py); make test runs this in the background from when the environment exists."""
+    run_in_stack(session, "python", "-m", "tests.ops")
 
 
 @nox.session(venv_backend="none")
@@ -144,8 +160,8 @@ for _name, _what in RECIPE_SESSIONS.items():
 @timed
 def recipe_llama3_8b_nvme(session: nox.Session) -> None:
     """The 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*), 2 CPU processes: trains through NVMe swap
-    files and resumes exactly. DeepSpeed's async_io op compiles at its first use in the shared
-    environment (minutes, once); installs libaio if missing."""
+    files and resumes exactly. DeepSpeed's async_io op compiles into the shared environment once, ahead in
+    make test's ops session or at its first use here (minutes); installs libaio if missing."""
     run_in_stack(session, "pytest", "tests/recipes/test_llama3_8b_zero3_nvme.py", *session.posargs)
 
 

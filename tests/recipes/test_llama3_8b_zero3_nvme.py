@@ -1,8 +1,9 @@
 """The Llama 3 8B recipe with ZeRO-Infinity (configs/zero3-nvme.*): its optimizer states on disk, 2 CPU processes.
 
-DeepSpeed's async_io op is not prebuilt in the test environment: its first use compiles it (minutes on
-2 cores, once per environment). ``nox -s test-llama3-8b-zero3-nvme`` (one of ``make test``'s sessions)
-installs libaio if it is missing.
+DeepSpeed's async_io and pin_memory ops are not prebuilt in the test environment: ``make test`` compiles them
+into it in the background while the earlier sessions run (``tests/ops.py``); run alone, this session's first
+launch compiles them (6.5 minutes on a 2-core AMD EPYC, once per environment). ``nox -s
+test-llama3-8b-zero3-nvme`` (one of ``make test``'s sessions) installs libaio if it is missing.
 
 DeepSpeed swaps nothing under 1 MiB to disk, and the usual tiny test model is entirely under that
 size: this model (hidden 128) has 279k fp32 weights per rank in its one optimizer sub-group, so the

@@ -66,3 +66,17 @@ def test_every_make_test_session_has_a_budget_and_they_add_up_to_the_suites():
     sessions = re.search(r"^TEST_SESSIONS := (.*)$", makefile, re.M).group(1).split()
     assert set(budgets["minutes"]) == set(sessions) | set(suite_time.BESIDE)
     assert sum(m for s, m in budgets["minutes"].items() if s not in suite_time.BESIDE) <= budgets["suite_minutes"]
+
+
+def test_the_wall_clock_runs_from_the_first_sessions_start_to_the_last_ones_end(tmp_path, capsys):
+    (tmp_path / ".nox").mkdir()
+    entries = [{"session": "lint", "started": 1000.0, "seconds": 30.0, "ok": True},
+               {"session": "ops", "started": 1100.0, "seconds": 900.0, "ok": True},  # in the background
+               {"session": "unit", "started": 1100.0, "seconds": 300.0, "ok": True},
+               {"session": "test-llama3-8b-zero3", "started": 1400.0, "seconds": 660.0, "ok": True}]
+    (tmp_path / suite_time.TIMES).write_text("".join(json.dumps(e) + "\n" for e in entries))
+    suite_time.main(tmp_path / "no-log", tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert next(line for line in out if "wall clock" in line).split()[-1] == "17.7"  # 1000 s to 2060 s
+    assert next(line for line in out if "total (one after another)" in line).split()[-2] == "16.5"
+    assert any(line.split()[0] == "ops" and "(in the background)" in line for line in out)

@@ -5,7 +5,8 @@
 Reads ``.nox/session-times.jsonl`` (one line per nox session: its name, seconds and result, written by
 noxfile.py as each session ends) and, from ``LOG``, the per-test durations pytest printed (``--durations``).
 Prints each session's minutes beside its budget (``tests/session-budgets.toml``), the total of the sessions
-that run one after another (the image build runs beside them), and the ten slowest tests; a ``warning:``
+that run one after another (the ops' compile and the image build run beside them), the wall-clock time from
+the first session's start to the last one's end, and the ten slowest tests; a ``warning:``
 line for each session over its budget and for the total over the suite's. The machines CI runs on are
 shared and differ in speed: a budget is a line to notice, not a test to fail.
 """
@@ -21,7 +22,7 @@ import tomllib
 
 TIMES = ".nox/session-times.jsonl"
 BUDGETS = "tests/session-budgets.toml"
-BESIDE = ("image-build",)  # run in the background, beside the others: not part of the total
+BESIDE = ("ops", "image-build")  # run in the background, beside the others: not part of the total
 SESSION_START = re.compile(r"^nox > Running session (\S+)")
 DURATION = re.compile(r"^\s*([0-9.]+)s (call|setup|teardown)\s+(\S+)")
 
@@ -77,6 +78,10 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow]) -> list[str]
             warnings.append(f"warning: session {name} took {spent:.1f} min, over its budget of {budget} min")
     suite = budgets.get("suite_minutes")
     lines.append(f"  {'total (one after another)':<28} {total:>8.1f} {suite if suite is not None else '-':>7}")
+    spans = [(e["started"], e["started"] + e["seconds"]) for e in times.values() if "started" in e]
+    if spans:
+        wall = (max(end for _, end in spans) - min(start for start, _ in spans)) / 60
+        lines.append(f"  {'wall clock, first to last':<28} {wall:>8.1f}")
     if suite is not None and total > suite:
         warnings.append(f"warning: the sessions took {total:.1f} min in all, over the suite's budget of {suite} min")
     if slow:

@@ -1,0 +1,46 @@
+"""DeepSpeed's JIT ops the test sessions load on CPU, compiled into the shared environment's cache ahead of use.
+
+``python -m tests.ops`` (the nox session ``ops``) loads each op in the order the sessions first need them: CPU
+and fused Adam (the unit tests), the shared-memory all-reduce (every DeepSpeed launch on CPU), async I/O and
+pinned memory (ZeRO-Infinity's NVMe session). ``make test`` runs it in the background from when the environment
+exists, so the compiles use the CPU the sessions leave idle: measured on a 2-core AMD EPYC, async I/O and pinned
+memory alone took 6.5 minutes inside the NVMe session's first launch. A rank that loads an op while this compiles
+it waits on the cache's lock and then loads the built op: nothing compiles twice. An op that fails to build here
+is reported and left to the session that needs it (which then builds it, and fails there if it cannot).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tests.harness import ensure_debian_packages
+
+# builder class names, in the order make test's sessions first load them
+OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder")
+
+
+def main() -> int:
+    from deepspeed.accelerator import get_accelerator
+
+    failed = []
+    for name in OPS:
+        start = time.monotonic()
+        try:
+            if name == "AsyncIOBuilder":  # its headers, as the NVMe session installs them
+                ensure_debian_packages("libaio-dev", present="/usr/include/libaio.h")
+            builder = get_accelerator().create_op_builder(name)
+            if builder is None or not builder.is_compatible(verbose=False):
+                print(f"{name}: not built (no such op on this accelerator, or not compatible here)", flush=True)
+                continue
+            builder.load(verbose=False)
+            print(f"{name}: ready in {time.monotonic() - start:.0f} s", flush=True)
+        except Exception as err:  # the session that needs it builds it again and reports its own error
+            failed.append(name)
+            print(f"{name}: FAILED after {time.monotonic() - start:.0f} s: {err!r}", flush=True)
+    print(f"DeepSpeed ops: {len(OPS) - len(failed)} of {len(OPS)} ready" + (f", failed: {failed}" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
