@@ -360,7 +360,7 @@ def fp8_key(recipe: str, compiled: bool) -> str:
 def fp8_cost(recipe: str, compiled: bool, efficiency: Efficiency | None = None) -> tuple[float, str]:
     """What fp8 adds, as a fraction of the covered matmuls' bf16 time, and where that figure comes from:
 
-    * fitted on a measured pair of this scaling and compile setting (``efficiency.fp8_overhead``): "measured";
+    * fitted on a measured pair of this scaling and compile setting (``efficiency.fp8_overhead``);
     * uncompiled, with this scaling measured compiled and another scaling measured both ways: this scaling's
       compiled cost plus the unfused casts' measured cost of the other (predicted);
     * else the compiled cost fitted on torchao's published pair (:data:`FP8_PUBLISHED`), plus

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune_kit.metering.run_record import RunRecord
+from finetune_tools.gpu_check.host_check import fp8_choice
 from finetune_tools.planning.speed import Cluster, Efficiency, Job, fit_fp8_overhead, fp8_key, predict, predict_fp8
 from finetune_tools.results.jobs import job_of
 
@@ -44,19 +45,15 @@ class Pair:
         return fp8_key(self.scaling, self.compiled)
 
 
-def _flag(flags: list[str], name: str) -> str | None:
-    return flags[flags.index(name) + 1] if name in flags else None
-
-
 def pairs(results: Path) -> list[Pair]:
     """Every finished fp8 row of ``results/runs/fp8/*.json`` whose bf16 baseline finished in the same command."""
     out = []
     for path in sorted((results / FOLDER).glob("*.json")):
         rows = {r.get("run"): r for r in json.loads(path.read_text())["cases"]}
         for name, row in rows.items():
-            scaling = _flag(row.get("extra_flags", []), "--fp8")
+            scaling = fp8_choice(row.get("extra_flags", []))
             base = rows.get(row.get("baseline"))
-            if not scaling or row["status"] != "ok" or not base or base["status"] != "ok" or base is row:
+            if scaling == "none" or row["status"] != "ok" or not base or base["status"] != "ok":
                 continue
             planned = job_of(RunRecord.read(results / FOLDER / "records" / path.stem / f"{base['run']}.json"))
             if planned is None:
