@@ -95,7 +95,7 @@ TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 test-llama3-8b-zero3-nvme 
   test-llama3-70b-qlora slurm kubernetes live-metrics gpu-check-cpu gpu-bundle wheelhouse image
 low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
-	@rm -f .nox/session-times.jsonl; failed=0; $(NOX) -s lint stack || failed=1; \
+	@rm -f .nox/session-times.jsonl .nox/launches.jsonl; failed=0; $(NOX) -s lint stack || failed=1; \
 	$(low_priority) $(NOX) -s ops > .nox/ops.log 2>&1 & ops=$$!; \
 	trap 'kill $$ops 2>/dev/null; exit 130' INT TERM; \
 	$(NOX) -s unit || failed=1; \

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -79,12 +80,13 @@ TIMES = ROOT / ".nox/session-times.jsonl"  # read by `python -m finetune_tools.r
 
 
 def timed(func):
-    """Append the session's name, wall-clock seconds and result to TIMES when it ends (make test starts the file
-    afresh): how long each session took, whatever nox prints."""
+    """Append the session's name, wall-clock and CPU seconds and result to TIMES when it ends (make test starts the
+    file afresh): how long each session took and how much of the machine it used, whatever nox prints."""
 
     @functools.wraps(func)
     def run(session: nox.Session) -> None:
-        start, started, ok = time.monotonic(), time.time(), False
+        start, started, ok, cpu = time.monotonic(), time.time(), False, children_cpu_seconds()
+        os.environ["SUITE_SESSION"] = session.name  # the tests' launch counts name their session (tests/conftest.py)
         try:
             func(session)
             ok = True
@@ -92,9 +94,17 @@ def timed(func):
             TIMES.parent.mkdir(exist_ok=True)
             with TIMES.open("a") as f:
                 f.write(json.dumps({"session": session.name, "started": round(started, 1),
-                                    "seconds": round(time.monotonic() - start, 1), "ok": ok}) + "\n")
+                                    "seconds": round(time.monotonic() - start, 1),
+                                    "cpu_seconds": round(children_cpu_seconds() - cpu, 1), "ok": ok}) + "\n")
 
     return run
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of every finished process this one waited for, and theirs: a session's
+    processes (pytest, the ranks it launches, pip, compilers), not the containers podman runs beside it."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_in_stack(session: nox.Session, *args: str) -> None:

@@ -7,7 +7,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import load_script
+from tests import launch_times
+from tests.harness import REPO, load_script
+
+_CLOCK = launch_times.LaunchClock()
+
+
+def pytest_sessionstart(session):
+    if launch_times.session_name():
+        _CLOCK.install()
+
+
+def pytest_sessionfinish(session):
+    """In a make test session: its launches and their steps' seconds into .nox/launches.jsonl (launch_times.py)."""
+    if name := launch_times.session_name():
+        _CLOCK.uninstall()
+        factory = getattr(session.config, "_tmp_path_factory", None)
+        launch_times.record(REPO, name, _CLOCK, factory.getbasetemp() if factory else Path("/nonexistent"))
 
 
 @pytest.fixture(scope="session", autouse=True)

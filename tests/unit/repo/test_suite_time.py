@@ -80,3 +80,23 @@ def test_the_wall_clock_runs_from_the_first_sessions_start_to_the_last_ones_end(
     assert next(line for line in out if "wall clock" in line).split()[-1] == "17.7"  # 1000 s to 2060 s
     assert next(line for line in out if "total (one after another)" in line).split()[-2] == "16.5"
     assert any(line.split()[0] == "ops" and "(in the background)" in line for line in out)
+
+
+def test_each_session_shows_its_cpu_minutes_launches_and_their_steps(tmp_path, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / suite_time.BUDGETS).write_text("suite_minutes = 10\n[minutes]\nunit = 5\ntest-llama3-8b-zero3 = 4\n")
+    (tmp_path / ".nox").mkdir()
+    (tmp_path / suite_time.TIMES).write_text(
+        json.dumps({"session": "unit", "seconds": 120.0, "cpu_seconds": 180.0, "ok": True}) + "\n"
+        + json.dumps({"session": "test-llama3-8b-zero3", "seconds": 600.0, "cpu_seconds": 960.0, "ok": True}) + "\n")
+    (tmp_path / suite_time.LAUNCHES).write_text(  # two pytest processes in one session add up
+        json.dumps({"session": "test-llama3-8b-zero3", "launches": 20, "launch_seconds": 480.0,
+                    "step_seconds": 120.0}) + "\n"
+        + json.dumps({"session": "test-llama3-8b-zero3", "launches": 4, "launch_seconds": 60.0,
+                      "step_seconds": 30.0}) + "\n")
+    log = tmp_path / "log"
+    log.write_text(LOG)
+    suite_time.main(log, tmp_path)
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert rows["test-llama3-8b-zero3"][:7] == ["test-llama3-8b-zero3", "10.0", "4", "16.0", "24", "9.0", "2.5"]
+    assert rows["unit"][:7] == ["unit", "2.0", "5", "3.0", "-", "-", "-"]  # launched nothing it counts

@@ -2,9 +2,12 @@
 
     python -m finetune_tools.repo suite-time LOG      # .ci/run calls it with make test's output
 
-Reads ``.nox/session-times.jsonl`` (one line per nox session: its name, seconds and result, written by
-noxfile.py as each session ends) and, from ``LOG``, the per-test durations pytest printed (``--durations``).
-Prints each session's minutes beside its budget (``tests/session-budgets.toml``), the total of the sessions
+Reads ``.nox/session-times.jsonl`` (one line per nox session: its name, wall-clock and CPU seconds and result,
+written by noxfile.py as each session ends), ``.nox/launches.jsonl`` (per test session: how many training launches
+it started, their seconds and their steps' seconds, written by tests/launch_times.py) and, from ``LOG``, the
+per-test durations pytest printed (``--durations``). Prints each session's minutes beside its budget
+(``tests/session-budgets.toml``) with its CPU minutes (of 2 per minute on a 2-core machine), its launches and
+how much of their time their training steps took (the rest is start-up and saving), the total of the sessions
 that run one after another (the ops' compile and the image build run beside them), the wall-clock time from
 the first session's start to the last one's end, and the ten slowest tests; a ``warning:``
 line for each session over its budget and for the total over the suite's. The machines CI runs on are
@@ -21,6 +24,7 @@ from pathlib import Path
 import tomllib
 
 TIMES = ".nox/session-times.jsonl"
+LAUNCHES = ".nox/launches.jsonl"
 BUDGETS = "tests/session-budgets.toml"
 BESIDE = ("ops", "image-build")  # run in the background, beside the others: not part of the total
 SESSION_START = re.compile(r"^nox > Running session (\S+)")
@@ -47,6 +51,19 @@ def session_times(path: Path) -> dict[str, dict]:
     return out
 
 
+def launch_times(path: Path) -> dict[str, dict]:
+    """Per session, the sum of its pytest processes' launch figures in ``path``."""
+    out: dict[str, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                into = out.setdefault(entry["session"], {"launches": 0, "launch_seconds": 0.0, "step_seconds": 0.0})
+                for key in into:
+                    into[key] += entry.get(key, 0)
+    return out
+
+
 def slowest(log: str, count: int = 10) -> list[Slow]:
     """The ``count`` longest test phases pytest reported in ``log``, each with the session it ran in."""
     found, session = [], None
@@ -58,10 +75,13 @@ def slowest(log: str, count: int = 10) -> list[Slow]:
     return sorted(found, key=lambda s: -s.seconds)[:count]
 
 
-def report(times: dict[str, dict], budgets: dict, slow: list[Slow]) -> list[str]:
+def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: dict[str, dict] | None = None
+           ) -> list[str]:
     """The report's lines: a table of sessions, the total, the slowest tests, then the warnings."""
-    minutes = budgets.get("minutes", {})
-    lines = [f"suite time, per session (budgets: {BUDGETS}):", f"  {'session':<28} {'minutes':>8} {'budget':>7}"]
+    minutes, launches = budgets.get("minutes", {}), launches or {}
+    lines = [f"suite time, per session (budgets: {BUDGETS}; CPU: minutes of all cores; launches: how many trained, "
+             "their minutes, of which their steps):",
+             f"  {'session':<28} {'minutes':>8} {'budget':>7} {'CPU':>6} {'launches':>8} {'minutes':>8} {'steps':>6}"]
     warnings = []
     total = 0.0
     for name, entry in times.items():
@@ -71,7 +91,12 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow]) -> list[str]
         if name not in BESIDE:
             total += spent
         state = "" if entry.get("ok", True) else " FAILED"
-        lines.append(f"  {name:<28} {spent:>8.1f} {budget if budget is not None else '-':>7}{beside}{state}")
+        cpu = f"{entry['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in entry else "-"
+        ran = launches.get(name)
+        counts = (f"{ran['launches']:>8} {ran['launch_seconds'] / 60:>8.1f} {ran['step_seconds'] / 60:>6.1f}" if ran
+                  else f"{'-':>8} {'-':>8} {'-':>6}")
+        lines.append(f"  {name:<28} {spent:>8.1f} {budget if budget is not None else '-':>7} {cpu:>6} {counts}"
+                     f"{beside}{state}")
         if budget is None:
             warnings.append(f"warning: session {name} has no budget in {BUDGETS}")
         elif spent > budget:
@@ -93,5 +118,5 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow]) -> list[str]
 def main(log_path: Path, root: Path) -> int:
     budgets = tomllib.loads((root / BUDGETS).read_text()) if (root / BUDGETS).is_file() else {}
     log = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    print("\n".join(report(session_times(root / TIMES), budgets, slowest(log))))
+    print("\n".join(report(session_times(root / TIMES), budgets, slowest(log), launch_times(root / LAUNCHES))))
     return 0
