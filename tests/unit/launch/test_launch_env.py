@@ -157,3 +157,4 @@ def test_the_shm_buffer_of_this_rank_is_removed_once_every_rank_is_past_its_init
     monkeypatch.delenv("WORLD_SIZE")  # no launcher: nothing to remove, no barrier
     accelerator.release_shm_buffer(lambda: barriers.append("called"))
     assert len(registered) == 1 and barriers == [True]
+
