@@ -1,6 +1,7 @@
 """The Llama 3 8B ZeRO-3 recipe end to end: its own train.py and configs, 2 CPU processes.
 
-The run uses a copy of the recipe folder outside the repository, with only the shared
+The main run is the README's command (`make recipe-8b-zero3`, in the repository); the other
+launches use a copy of the recipe folder outside the repository, with only the shared
 package installed, as a user who copies a recipe would. Against the README command, only
 model path, data path, step counts and sizes change -- plus --lr: a randomly initialised
 tiny model needs a larger step than a pretrained 8B to show its loss falling in 8 steps.
@@ -83,12 +84,21 @@ def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int
 SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU collectives, one per rank in /dev/shm
 
 
+def readme_variables(model: Path, output: Path, *train_args: str) -> list[str]:
+    """The README command's variables for the tests' sizes (CPU=1: on this machine's CPUs)."""
+    return ["NUM_GPUS=2", f"MODEL={model}", f"DATA={SAMPLE}", f"OUTPUT={output}",
+            "TRAIN_ARGS=" + " ".join([*sizes(model)[4:], *train_args])]
+
+
 @pytest.fixture(scope="module")
-def fresh_launch(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list]:
+def fresh_launch(tiny_llama3, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list]:
+    """The module's main run, started by the README's command: `make recipe-8b-zero3 NUM_GPUS=2 ...`, which runs
+    the input check, then `accelerate launch --config_file configs/zero3.yaml` from the recipe folder."""
     output = tmp_path_factory.mktemp("runs") / "fresh"
     before = set(Path("/dev/shm").glob(SHM_BUFFERS))
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
-                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", *SAMPLES_ON, "--sample-before")
+    variables = readme_variables(tiny_llama3, output, "--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+                                 "--keep-checkpoints", "0", *SAMPLES_ON, "--sample-before")
+    (proc,) = wait_all([make_target("recipe-8b-zero3", *variables)], timeout=900)
     left = sorted(set(Path("/dev/shm").glob(SHM_BUFFERS)) - before)
     assert_finished(proc, STEPS)
     return proc, output, left
@@ -147,15 +157,12 @@ def test_losses_match_golden(run):
     assert_matches_golden(losses(run), GOLDEN, STEPS)
 
 
-def test_the_readme_make_command_trains_like_the_launch(tiny_llama3, tmp_path):
-    """`make recipe-8b-zero3 NUM_GPUS=2 ...` from the repository root (CPU=1: on CPUs), and its old name."""
-    output = tmp_path / "made"
-    variables = ["NUM_GPUS=2", f"MODEL={tiny_llama3}", f"DATA={SAMPLE}", f"OUTPUT={output}",
-                 "TRAIN_ARGS=" + " ".join([*sizes(tiny_llama3)[4:], "--max-steps", str(STEPS)])]
-    (proc,) = wait_all([make_target("recipe-8b-zero3", *variables)], timeout=900)
-    assert_finished(proc, STEPS)
+def test_the_readme_make_command_trains_like_the_launch(fresh_launch, tiny_llama3):
+    """`make recipe-8b-zero3 NUM_GPUS=2 ...` from the repository root (CPU=1: on CPUs) launched the module's main
+    run (the golden losses: test_losses_match_golden), and its old name runs the same commands."""
+    proc, output, _ = fresh_launch
     assert "configs/zero3.yaml --num_processes 2" in proc.stderr  # the command, echoed by set -x
-    assert_matches_golden(losses(output), GOLDEN, STEPS)
+    variables = readme_variables(tiny_llama3, output, "--max-steps", str(STEPS))
     alias = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "train-llama3-8b-zero3", *variables],
                            capture_output=True, text=True)
     same = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "recipe-8b-zero3", *variables],
