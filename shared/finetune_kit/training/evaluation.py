@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune_kit.data.instructions import IGNORE_INDEX
+from finetune_kit.models.compiled_layers import eager
 
 
 def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,16 +28,17 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 def evaluate_loss(model, dataloader, accelerator) -> float:
     """Token-weighted mean loss over a prepared dataloader; every rank must call it
     (ZeRO-3's forward is collective). Samples that the loader repeats to even out the
-    last batch are dropped by ``gather_for_metrics``."""
+    last batch are dropped by ``gather_for_metrics``. Compiled layers run eager here."""
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = torch.zeros((), dtype=torch.float64)
-    for batch in dataloader:
-        batch.pop("example_ids", None)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        sums, counts = token_loss_sums(logits, batch["labels"])
-        sums, counts = accelerator.gather_for_metrics((sums, counts))
-        total += sums.double().sum().cpu()
-        count += counts.double().sum().cpu()
+    with eager():  # compiled layers (--compile): not compiled again for no_grad
+        for batch in dataloader:
+            batch.pop("example_ids", None)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            sums, counts = token_loss_sums(logits, batch["labels"])
+            sums, counts = accelerator.gather_for_metrics((sums, counts))
+            total += sums.double().sum().cpu()
+            count += counts.double().sum().cpu()
     model.train()
     return float(total / count.clamp(min=1))

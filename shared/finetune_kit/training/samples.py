@@ -75,6 +75,7 @@ def answer(accelerator, model, tokenizer, template, prompts: list[Prompt], max_n
     from transformers import GenerationConfig
 
     from finetune_kit.data.templates import end_of_turn_ids
+    from finetune_kit.models.compiled_layers import eager
 
     if not prompts:
         return []
@@ -95,7 +96,7 @@ def answer(accelerator, model, tokenizer, template, prompts: list[Prompt], max_n
     model.eval()
     net.set_attn_implementation("sdpa")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eager():  # compiled layers (--compile): not compiled again per answer length
             out = net.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
                                synced_gpus=sharded and accelerator.num_processes > 1)
     finally:

@@ -5,7 +5,7 @@ The Inductor backend itself runs in the recipe test (tests/recipes/test_llama3_8
 import pytest
 import torch
 
-from finetune_kit.models.compiled_layers import compile_layers
+from finetune_kit.models.compiled_layers import compile_layers, eager
 
 
 def tiny_lm(path, checkpointing: bool):
@@ -56,3 +56,34 @@ def test_off_compiles_nothing_and_a_model_without_decoder_layers_is_refused(tiny
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     with pytest.raises(TypeError, match="Linear has no model.layers"):
         compile_layers(torch.nn.Linear(2, 2))
+
+
+def test_passes_that_do_not_train_run_the_layers_eager(tiny_llama3):
+    """Validation and sample answers (no_grad, a new length per generated token) compile nothing under eager(),
+    give the compiled layers' answer, and a no_grad pass outside it compiles the layer again (the control)."""
+    from finetune_kit.training.evaluation import token_loss_sums
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    model = tiny_lm(tiny_llama3, checkpointing=False)
+    compile_layers(model, backend=counting_backend)
+    step(model, {"input_ids": ids, "labels": ids})
+    assert len(graphs) == 1
+    model.eval()
+    with torch.no_grad():
+        with eager():
+            inside = model(input_ids=ids).logits
+            generated = model.generate(input_ids=ids[:, :8], max_new_tokens=4, do_sample=False)
+        assert len(graphs) == 1 and generated.shape == (2, 12)
+        sums, counts = token_loss_sums(inside, ids)
+        assert torch.isfinite(sums).all() and counts.tolist() == [47, 47]
+        outside = model(input_ids=ids).logits
+    assert len(graphs) == 2  # the control: no_grad outside eager() compiles the layer again
+    torch.testing.assert_close(inside, outside)
+    torch._dynamo.reset()
