@@ -250,6 +250,14 @@ def launch_nodes(cwd: Path, commands: list[list[str]], envs: list[dict | None], 
     return wait_all(procs, timeout)
 
 
+def side_by_side(launches: list[tuple[Path, list[str]]], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """Each ``(cwd, command)`` started at once, all finished: for one-process launches, each on a core of its
+    own (most of a short launch is its interpreter's start-up, on one core). Give each its own port."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=launch_env()) for cwd, cmd in launches]
+    return wait_all(procs, timeout)
+
+
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
     """Each process's output and exit status; all are killed when one outlives ``timeout``."""
     results = []

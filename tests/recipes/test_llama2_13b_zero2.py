@@ -47,6 +47,7 @@ from tests.harness import (
     sample_examples,
     script_command,
     script_launch,
+    side_by_side,
     split_args,
     wait_all,
     write_jsonl,
@@ -199,17 +200,32 @@ def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_ll
 @pytest.fixture(scope="module")
 def split_run(recipe_copy, tiny_llama2, tmp_path_factory):
     """A 4-step run of 8 sequences per optimizer step, split as ``ranks x micro-batch x accumulation``;
-    each distinct launch runs once."""
+    each distinct launch runs once. ``split_run.ahead(splits, *extra)`` runs the one-rank launches among
+    ``splits`` not run yet side by side, one core each (each launcher takes a free port of its own)."""
     done = {}
+
+    def planned(ranks: int, micro: int, accum: int, *extra: str) -> tuple[list[str], Path]:
+        output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
+        args = split_args(ranks, micro, accum, "--per_device_train_batch_size", "--gradient_accumulation_steps")
+        return script_command("--deepspeed", "configs/zero2.json", *sizes(tiny_llama2), *args, *extra, "--output_dir",
+                              str(output), "--max_steps", "4", "--save_strategy", "no", nproc=ranks), output
 
     def start(ranks: int, micro: int, accum: int, *extra: str) -> Path:
         if (ranks, micro, accum, extra) not in done:
-            output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
-            args = split_args(ranks, micro, accum, "--per_device_train_batch_size", "--gradient_accumulation_steps")
-            assert_finished(launch(recipe_copy, *sizes(tiny_llama2), *args, *extra, "--output_dir", str(output),
-                                   "--max_steps", "4", "--save_strategy", "no", nproc=ranks), 4)
+            command, output = planned(ranks, micro, accum, *extra)
+            assert_finished(run_command(command, recipe_copy), 4)
             done[ranks, micro, accum, extra] = output
         return done[ranks, micro, accum, extra]
+
+    def ahead(splits, *extra: str) -> None:
+        todo = {(*split, extra): planned(*split, *extra) for split in splits
+                if split[0] == 1 and (*split, extra) not in done}
+        for key, proc in zip(todo, side_by_side([(recipe_copy, command) for command, _ in todo.values()]),
+                             strict=True):
+            assert_finished(proc, 4)
+            done[key] = todo[key][1]
+
+    start.ahead = ahead
     return start
 
 
@@ -218,6 +234,7 @@ def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_
     """The Trainer counts the labelled tokens of the accumulated micro-batches on every rank
     (``num_items_in_batch``, ``average_tokens_across_devices``), and our loss takes the count: 1 x 8 x 1,
     1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation) train one model under DeepSpeed."""
+    split_run.ahead(SPLITS, *(["--pack"] if packed else []))
     runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
     assert_one_model_for_every_split(runs, tiny_llama2)
 

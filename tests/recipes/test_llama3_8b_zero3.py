@@ -54,6 +54,7 @@ from tests.harness import (
     run_and_signal,
     run_command,
     sample_examples,
+    side_by_side,
     split_args,
     wait_all,
     write_jsonl,
@@ -541,30 +542,54 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     """A 4-step run of 8 sequences per optimizer step, split as ``ranks x micro-batch x accumulation``;
     each distinct launch runs once; ``extra`` flags come last (a later flag wins: e.g. --save-every).
     ``per_micro_batch_mean``: train.py with each micro-batch's own mean
-    as its loss (the negative control)."""
+    as its loss (the negative control). ``split_run.ahead(splits, *extra)`` runs the one-rank launches among
+    ``splits`` not run yet side by side, one core each."""
     done, control = {}, None
 
-    def start(ranks: int, micro: int, accum: int, *extra: str, config: str = "configs/zero3.yaml",
-              per_micro_batch_mean: bool = False) -> Path:
+    def key_of(ranks: int, micro: int, accum: int, *extra: str, config: str = "configs/zero3.yaml",
+               per_micro_batch_mean: bool = False, launcher_args=()) -> tuple:
+        return ranks, micro, accum, extra, config, per_micro_batch_mean
+
+    def planned(ranks: int, micro: int, accum: int, *extra: str, config: str = "configs/zero3.yaml",
+                per_micro_batch_mean: bool = False, launcher_args=()) -> tuple[Path, list[str], Path]:
         nonlocal control
-        key = (ranks, micro, accum, extra, config, per_micro_batch_mean)
+        cwd = recipe_copy
+        if per_micro_batch_mean:
+            if control is None:
+                control = tmp_path_factory.mktemp("control") / "recipe"
+                shutil.copytree(recipe_copy, control)
+                script = (control / "train.py").read_text()
+                line = "loss = model(**batch, num_items_in_batch=step.labelled).loss"
+                assert line in script
+                (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
+            cwd = control
+        output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
+        command = accelerate_command(*sizes(tiny_llama3), *split_args(ranks, micro, accum), "--output", str(output),
+                                     "--max-steps", "4", "--save-every", "0", *extra, config=config, nproc=ranks,
+                                     launcher_args=launcher_args)
+        return cwd, command, output
+
+    def start(ranks: int, micro: int, accum: int, *extra: str, **kwargs) -> Path:
+        key = key_of(ranks, micro, accum, *extra, **kwargs)
         if key not in done:
-            cwd = recipe_copy
-            if per_micro_batch_mean:
-                if control is None:
-                    control = tmp_path_factory.mktemp("control") / "recipe"
-                    shutil.copytree(recipe_copy, control)
-                    script = (control / "train.py").read_text()
-                    line = "loss = model(**batch, num_items_in_batch=step.labelled).loss"
-                    assert line in script
-                    (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
-                cwd = control
-            output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
-            proc = launch(cwd, *sizes(tiny_llama3), *split_args(ranks, micro, accum), "--output", str(output),
-                          "--max-steps", "4", "--save-every", "0", *extra, config=config, nproc=ranks)
-            assert_finished(proc, 4)
+            cwd, command, output = planned(ranks, micro, accum, *extra, **kwargs)
+            assert_finished(run_command(command, cwd), 4)
             done[key] = output
         return done[key]
+
+    def ahead(splits, *extra: str, **kwargs) -> None:
+        todo = {}
+        for ranks, micro, accum in splits:
+            key = key_of(ranks, micro, accum, *extra, **kwargs)
+            if ranks == 1 and key not in done and key not in todo:
+                todo[key] = planned(ranks, micro, accum, *extra, **kwargs,
+                                    launcher_args=("--main_process_port", str(free_port())))
+        for (key, (_, _, output)), proc in zip(todo.items(), side_by_side([(c, cmd) for c, cmd, _ in todo.values()]),
+                                               strict=True):
+            assert_finished(proc, 4)
+            done[key] = output
+
+    start.ahead = ahead
     return start
 
 
@@ -572,6 +597,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
 def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama3):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): the loss of each step is
     the mean over its labelled tokens on all ranks, so every split logs the same losses and saves the same model."""
+    split_run.ahead(SPLITS, *(["--pack"] if packed else []))
     runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
     assert_one_model_for_every_split(runs, tiny_llama3)
 
