@@ -48,11 +48,7 @@ def stack(session: nox.Session) -> dict[str, str]:
     env = {"PATH": f"{STACK / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(STACK),
            # DeepSpeed JIT-builds its CPU ops into a cache keyed by op name only: one cache for
            # this environment, so the ops are compiled once for every session.
-           "TORCH_EXTENSIONS_DIR": str(STACK / "torch_extensions"),
-           # pip compiles every module it installs to bytecode, one file after another (19,000 files of the
-           # stack: 1.5 minutes of one core); Python writes the bytecode of what it imports at its first import
-           # instead (4,500 modules for a launch). The images keep pip's default: their user cannot write there.
-           "PIP_COMPILE": "0"}  # pip reads PIP_NO_COMPILE=1 as --compile
+           "TORCH_EXTENSIONS_DIR": str(STACK / "torch_extensions")}
     if not stamp.is_file() or stamp.read_text() != digest:
         session.log(f"building the shared environment {STACK} from {', '.join(LOCKS)}")
         shutil.rmtree(STACK, ignore_errors=True)
@@ -238,8 +234,7 @@ def wheelhouse(session: nox.Session) -> None:
     session.run("bash", str(ROOT / "docker/build-wheelhouse.sh"), str(house), env=env, external=True)
     session.run(sys.executable, "-m", "venv", str(target), external=True)
     offline = {"PATH": f"{target / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(target),
-               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "",  # no index, no other folder: only the wheelhouse
-               "PIP_COMPILE": "0"}  # no bytecode at install, as in the shared environment (stack())
+               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}  # no index, no other folder: only the wheelhouse
     session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--wheelhouse", str(house), env=offline,
                 external=True)
     session.run(str(target / "bin/python"), "-c", IMPORT_CHECK, env=offline, external=True)
