@@ -77,9 +77,11 @@ def ensure_debian_packages(*packages: str, present: Path | str) -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise RuntimeError(f"this test needs apt-get install {' '.join(packages)} (as root)")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    # another session may be installing beside this one: wait for dpkg's lock instead of failing on it
+    wait = ["-o", "DPkg::Lock::Timeout=600"]
+    install = ["apt-get", *wait, "install", "-y", "--no-install-recommends", *packages]
     if subprocess.run(install, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], check=True, capture_output=True)
+        subprocess.run(["apt-get", *wait, "update"], check=True, capture_output=True)
         subprocess.run(install, check=True, capture_output=True)
 
 
@@ -95,8 +97,11 @@ def make_target(target: str, *variables: str) -> subprocess.Popen:
 
 
 def accelerate_command(*args: str, config: str, nproc: int = 2, launcher_args=()) -> list[str]:
-    """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS``."""
-    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *launcher_args,
+    """``accelerate launch --config_file CONFIG --num_processes N train.py ARGS``, on a free port of its own
+    unless ``launcher_args`` name one: not the config's or accelerate's 29500, which a launch of a session
+    running beside this one may hold (make test runs sessions side by side)."""
+    port = () if "--main_process_port" in launcher_args else ("--main_process_port", str(free_port()))
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(nproc), *port, *launcher_args,
             "train.py", *args]
 
 

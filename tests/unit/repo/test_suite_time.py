@@ -47,15 +47,15 @@ def test_a_session_over_its_budget_is_a_warning_and_one_within_is_not(tmp_path, 
     assert warnings == ["warning: session test-llama3-8b-zero3 took 5.5 min, over its budget of 4 min"]
     assert any(line.split()[:2] == ["unit", "4.0"] and line.endswith("FAILED") for line in out)
     assert any("image-build" in line and "(in the background)" in line for line in out)
-    total = next(line for line in out if "total (one after another)" in line)
-    assert total.split()[-2:] == ["9.5", "10"]  # the background build is not in the total
+    assert next(line for line in out if "sessions added up" in line).split()[-1] == "9.5"  # the build aside
+    assert next(line for line in out if "wall clock" in line).split()[-2:] == ["9.5", "10"]  # no start times
     write_times(tmp_path / "over", {"unit": 700.0})
     (tmp_path / "over/tests").mkdir()
     (tmp_path / "over" / suite_time.BUDGETS).write_text((tmp_path / suite_time.BUDGETS).read_text())
     suite_time.main(log, tmp_path / "over")
     over = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert over == ["warning: session unit took 11.7 min, over its budget of 5 min",
-                    "warning: the sessions took 11.7 min in all, over the suite's budget of 10 min"]
+                    "warning: make test took 11.7 min, first session to last, over the suite's budget of 10 min"]
 
 
 def test_every_make_test_session_has_a_budget_and_they_add_up_to_the_suites():
@@ -77,9 +77,28 @@ def test_the_wall_clock_runs_from_the_first_sessions_start_to_the_last_ones_end(
     (tmp_path / suite_time.TIMES).write_text("".join(json.dumps(e) + "\n" for e in entries))
     suite_time.main(tmp_path / "no-log", tmp_path)
     out = capsys.readouterr().out.splitlines()
-    assert next(line for line in out if "wall clock" in line).split()[-1] == "17.7"  # 1000 s to 2060 s
-    assert next(line for line in out if "total (one after another)" in line).split()[-2] == "16.5"
+    assert next(line for line in out if "wall clock" in line).split()[-2] == "17.7"  # 1000 s to 2060 s
+    assert next(line for line in out if "sessions added up" in line).split()[-1] == "16.5"
     assert any(line.split()[0] == "ops" and "(in the background)" in line for line in out)
+    assert not any("(side by side)" in line for line in out)  # one after another, the background aside
+
+
+def test_sessions_that_ran_beside_each_other_are_marked_and_the_wall_clock_is_held_to_the_budget(tmp_path, capsys):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / suite_time.BUDGETS).write_text("suite_minutes = 15\n[minutes]\n")
+    (tmp_path / ".nox").mkdir()
+    entries = [{"session": "unit", "started": 1000.0, "seconds": 300.0, "ok": True},
+               {"session": "test-llama3-8b-zero3", "started": 1300.0, "seconds": 600.0, "ok": True},
+               {"session": "test-llama2-13b-zero2", "started": 1300.0, "seconds": 400.0, "ok": True},
+               {"session": "slurm", "started": 1900.0, "seconds": 100.0, "ok": True}]
+    (tmp_path / suite_time.TIMES).write_text("".join(json.dumps(e) + "\n" for e in entries))
+    suite_time.main(tmp_path / "no-log", tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    sided = {line.split()[0] for line in out if line.endswith("(side by side)")}
+    assert sided == {"test-llama3-8b-zero3", "test-llama2-13b-zero2"}
+    assert next(line for line in out if "sessions added up" in line).split()[-1] == "23.3"
+    assert next(line for line in out if "wall clock" in line).split()[-2:] == ["16.7", "15"]  # 1000 s to 2000 s
+    assert "warning: make test took 16.7 min, first session to last, over the suite's budget of 15 min" in out
 
 
 def test_each_session_shows_its_cpu_minutes_launches_and_their_steps(tmp_path, capsys):

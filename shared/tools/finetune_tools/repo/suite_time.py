@@ -7,11 +7,11 @@ written by noxfile.py as each session ends), ``.nox/launches.jsonl`` (per test s
 it started, their seconds and their steps' seconds, written by tests/launch_times.py) and, from ``LOG``, the
 per-test durations pytest printed (``--durations``). Prints each session's minutes beside its budget
 (``tests/session-budgets.toml``) with its CPU minutes (of 2 per minute on a 2-core machine), its launches and
-how much of their time their training steps took (the rest is start-up and saving), the total of the sessions
-that run one after another (the ops' compile and the image build run beside them), the wall-clock time from
-the first session's start to the last one's end, and the ten slowest tests; a ``warning:``
-line for each session over its budget and for the total over the suite's. The machines CI runs on are
-shared and differ in speed: a budget is a line to notice, not a test to fail.
+how much of their time their training steps took (the rest is start-up and saving), which ran side by side,
+the sessions' minutes added up (the ops' compile and the image build, in the background, aside), the
+wall-clock time from the first session's start to the last one's end against the suite's budget, and the ten
+slowest tests; a ``warning:`` line for each session over its budget and for the wall clock over the suite's.
+The machines CI runs on are shared and differ in speed: a budget is a line to notice, not a test to fail.
 """
 
 from __future__ import annotations
@@ -75,6 +75,14 @@ def slowest(log: str, count: int = 10) -> list[Slow]:
     return sorted(found, key=lambda s: -s.seconds)[:count]
 
 
+def side_by_side(times: dict[str, dict]) -> set[str]:
+    """The sessions, background jobs aside, that ran while another of them ran."""
+    spans = {name: (e["started"], e["started"] + e["seconds"]) for name, e in times.items()
+             if "started" in e and name not in BESIDE}
+    return {name for name, (start, end) in spans.items()
+            if any(other != name and start < o_end and o_start < end for other, (o_start, o_end) in spans.items())}
+
+
 def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: dict[str, dict] | None = None
            ) -> list[str]:
     """The report's lines: a table of sessions, the total, the slowest tests, then the warnings."""
@@ -84,10 +92,11 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: di
              f"  {'session':<28} {'minutes':>8} {'budget':>7} {'CPU':>6} {'launches':>8} {'minutes':>8} {'steps':>6}"]
     warnings = []
     total = 0.0
+    sided = side_by_side(times)
     for name, entry in times.items():
         spent = entry["seconds"] / 60
         budget = minutes.get(name)
-        beside = " (in the background)" if name in BESIDE else ""
+        beside = " (in the background)" if name in BESIDE else " (side by side)" if name in sided else ""
         if name not in BESIDE:
             total += spent
         state = "" if entry.get("ok", True) else " FAILED"
@@ -102,13 +111,13 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: di
         elif spent > budget:
             warnings.append(f"warning: session {name} took {spent:.1f} min, over its budget of {budget} min")
     suite = budgets.get("suite_minutes")
-    lines.append(f"  {'total (one after another)':<28} {total:>8.1f} {suite if suite is not None else '-':>7}")
+    lines.append(f"  {'sessions added up':<28} {total:>8.1f}")
     spans = [(e["started"], e["started"] + e["seconds"]) for e in times.values() if "started" in e]
-    if spans:
-        wall = (max(end for _, end in spans) - min(start for start, _ in spans)) / 60
-        lines.append(f"  {'wall clock, first to last':<28} {wall:>8.1f}")
-    if suite is not None and total > suite:
-        warnings.append(f"warning: the sessions took {total:.1f} min in all, over the suite's budget of {suite} min")
+    wall = (max(end for _, end in spans) - min(start for start, _ in spans)) / 60 if spans else total
+    lines.append(f"  {'wall clock, first to last':<28} {wall:>8.1f} {suite if suite is not None else '-':>7}")
+    if suite is not None and wall > suite:
+        warnings.append(f"warning: make test took {wall:.1f} min, first session to last, over the suite's budget "
+                        f"of {suite} min")
     if slow:
         lines += ["the slowest tests:"] + [f"  {s.seconds:>7.1f} s  {s.phase:<8} {s.test}  ({s.session or '?'})"
                                            for s in slow]
