@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from finetune_kit import caches
 from finetune_kit.outputs import written_whole
 
-CACHE_VAR = "FINETUNE_CACHE_DIR"
 OFF = "none"
 _CODE = ("instructions.py", "templates.py", "formats.py", "token_cache.py")
 
@@ -32,7 +31,7 @@ def cache_dir(choice: str = "auto") -> Path | None:
         return None
     if choice != "auto":
         return Path(choice).expanduser()
-    return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache/finetune_kit").expanduser() / "tokenised"
+    return caches.root() / "tokenised"
 
 
 def key(data, tokenizer, template, max_seq_len: int) -> str:

@@ -16,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from finetune_kit import caches
+
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -25,8 +27,7 @@ def kept_file(version: str) -> Path | None:
         boot = BOOT_ID.read_text().strip()
     except OSError:
         return None
-    root = Path(os.environ.get("FINETUNE_CACHE_DIR") or Path.home() / ".cache/finetune_kit").expanduser()
-    return root / "cpuinfo" / f"{os.uname().nodename}-{boot}-py-cpuinfo-{version}.json"
+    return caches.root() / "cpuinfo" / f"{os.uname().nodename}-{boot}-py-cpuinfo-{version}.json"
 
 
 def keep() -> None:

@@ -19,8 +19,6 @@ what the ablation measures (``gpu_check --ablation``, row ``8b-compile``); torch
 
 from __future__ import annotations
 
-import contextlib
-
 
 def decoder_layers(model):
     """The repeated decoder layers of a causal LM (or of the base model under a PEFT wrapper)."""
@@ -47,5 +45,4 @@ def eager():
     (``torch.compiler.set_stance("force_eager")``); no effect on a model that was not compiled."""
     import torch
 
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

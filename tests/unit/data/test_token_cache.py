@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from finetune_kit import caches
 from finetune_kit.data import instructions, token_cache
 from finetune_kit.models import load_tokenizer
 from tests.harness import SAMPLE
@@ -83,6 +84,6 @@ def test_none_writes_nothing_and_an_unwritable_cache_is_only_reported(sample, to
 
 
 def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(token_cache.CACHE_VAR, str(tmp_path))
+    monkeypatch.setenv(caches.CACHE_VAR, str(tmp_path))
     assert token_cache.cache_dir() == tmp_path / "tokenised"
     assert token_cache.cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
