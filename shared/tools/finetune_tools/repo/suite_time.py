@@ -102,7 +102,9 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: di
         state = "" if entry.get("ok", True) else " FAILED"
         cpu = f"{entry['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in entry else "-"
         ran = launches.get(name)
-        counts = (f"{ran['launches']:>8} {ran['launch_seconds'] / 60:>8.1f} {ran['step_seconds'] / 60:>6.1f}" if ran
+        # an sbatch returns at once, its job runs under slurmd: counted, its minutes not known here
+        timed = f"{ran['launch_seconds'] / 60:>8.1f}" if ran and ran["launch_seconds"] else f"{'-':>8}"
+        counts = (f"{ran['launches']:>8} {timed} {ran['step_seconds'] / 60:>6.1f}" if ran
                   else f"{'-':>8} {'-':>8} {'-':>6}")
         lines.append(f"  {name:<28} {spent:>8.1f} {budget if budget is not None else '-':>7} {cpu:>6} {counts}"
                      f"{beside}{state}")
