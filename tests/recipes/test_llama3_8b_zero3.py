@@ -192,17 +192,23 @@ def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tin
 LEVERS = {"whole-logits-loss": (("--loss-chunks", "0"), {"loss_chunks": 0, "loss_kernel": "none"}),
           "activations-offloaded": (("--offload-activations",), {"offload_activations": True}),
           "every-other-layer-checkpointed": (("--recompute-every", "2"), {"recompute_every": 2}),
-          "compiled-layers-fsdp2": (("--compile",), {"compiled": True})}
+          "compiled-layers": (("--compile",), {"compiled": True})}
+# ZeRO-3's levers share one launch: a lever that moved the losses would move them there too, and each is recorded.
+LAUNCHES = {"zero3-whole-logits-offloaded-every-other-layer": ("whole-logits-loss", "activations-offloaded",
+                                                              "every-other-layer-checkpointed"),
+            "fsdp2-compiled-layers": ("compiled-layers",)}
 
 
 @pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="compares with the golden losses")
-@pytest.mark.parametrize("lever", LEVERS)
-def test_the_speed_and_memory_levers_train_the_same(lever, recipe_copy, tiny_llama3, tmp_path):
-    """On two ranks, each lever gives the golden losses of the default run of its engine (chunked
-    loss, activations in place, every layer checkpointed, eager layers), and the record says it
+@pytest.mark.parametrize("launch_of", LAUNCHES)
+def test_the_speed_and_memory_levers_train_the_same(launch_of, recipe_copy, tiny_llama3, tmp_path):
+    """On two ranks, the levers give the golden losses of the default run of their engine (chunked
+    loss, activations in place, every layer checkpointed, eager layers), and the record says each
     was on. torch.compile runs under FSDP2 (ZeRO-3's hooks break its graphs: refused)."""
-    flags, recorded = LEVERS[lever]
-    fsdp2 = lever.endswith("fsdp2")
+    levers = LAUNCHES[launch_of]
+    flags = [flag for lever in levers for flag in LEVERS[lever][0]]
+    recorded = {key: value for lever in levers for key, value in LEVERS[lever][1].items()}
+    fsdp2 = launch_of.startswith("fsdp2")
     output = tmp_path / "lever"
     proc = launch(recipe_copy, *sizes(tiny_llama3), *flags, "--output", str(output), "--max-steps", str(STEPS),
                   "--save-every", "0", "--no-save-model", config=FSDP_CONFIG if fsdp2 else "configs/zero3.yaml")
@@ -212,6 +218,7 @@ def test_the_speed_and_memory_levers_train_the_same(lever, recipe_copy, tiny_lla
     default = {"loss_chunks": 8, "loss_kernel": "chunked", "offload_activations": False, "recompute_every": 1,
                "compiled": False}
     assert {key: record[key] for key in default} == {**default, **recorded}
+    assert set(LEVERS) == {lever for levers in LAUNCHES.values() for lever in levers}  # every lever in a launch
 
 
 def test_metrics_carry_throughput_and_memory(run):
@@ -597,12 +604,18 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     return start
 
 
+PACKED_SPLITS = ((1, 8, 1), (2, 2, 2))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama3):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): the loss of each step is
-    the mean over its labelled tokens on all ranks, so every split logs the same losses and saves the same model."""
-    split_run.ahead(SPLITS, *(["--pack"] if packed else []))
-    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
+    the mean over its labelled tokens on all ranks, so every split logs the same losses and saves the same model.
+    Packed rows, whose tokens per micro-batch differ from rank to rank and from one accumulation step to the next:
+    1 x 8 x 1 against 2 x 2 x 2, which splits across ranks and accumulation at once (the padded rows run all four)."""
+    splits = PACKED_SPLITS if packed else SPLITS
+    split_run.ahead(splits, *(["--pack"] if packed else []))
+    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in splits}
     assert_one_model_for_every_split(runs, tiny_llama3)
 
 
