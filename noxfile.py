@@ -31,9 +31,9 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "stack", "unit", "test-llama3-8b-zero3", "test-llama3-8b-zero3-nvme",
-                        "test-llama2-13b-zero2", "test-llama3-70b-qlora", "slurm", "kubernetes", "live-metrics",
-                        "gpu-check-cpu", "gpu-bundle", "wheelhouse", "image"]
+nox.options.sessions = ["lint", "stack", "unit", "test-llama3-8b-zero3", "gpu-check-cpu", "wheelhouse",
+                        "test-llama2-13b-zero2", "test-llama3-70b-qlora", "kubernetes", "gpu-bundle", "slurm",
+                        "live-metrics", "test-llama3-8b-zero3-nvme", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"

@@ -41,6 +41,9 @@ EXTRAS = ["--extra", "eval", "--also", "liger-kernel==0.8.5"]  # as make gpu-bun
 # through the recipes' parsers in tests/unit/gpu_check/test_smoke.py.
 REHEARSED = ["8b-zero3-samples", "8b-eval-cuda", "8b-liger", "8b-zero3-fp8-rowwise", "70b-qlora", "70b-merge"]
 WORK = REPO / ".nox/gpu-host"
+BUILD_OPS = ("from deepspeed.accelerator import get_accelerator\n"
+             "for name in ('CPUAdamBuilder', 'FusedAdamBuilder', 'ShareMemCommBuilder'):\n"
+             "    get_accelerator().create_op_builder(name).load(verbose=False)\n")
 
 
 def link_torch(site: Path, into: Path) -> list[str]:
@@ -120,16 +123,24 @@ def test_the_smoke_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(map(str, (host["site"], REPO / "shared", REPO / "shared/tools"))),
            "PATH": f"{host['site'] / 'bin'}{os.pathsep}{host['python'].parent}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1",
+           # the host's own op cache: DeepSpeed keys its JIT builds by op name, and the bundle's sources (another
+           # path) would rebuild the shared environment's ops there, and its next launch rebuild them back
+           "TORCH_EXTENSIONS_DIR": str(WORK / "torch_extensions")}
     env.pop("VIRTUAL_ENV", None)
     where = subprocess.run([str(host["python"]), "-c", "import torch, transformers, deepspeed, lm_eval; "
                             "print(torch.__file__, transformers.__version__, deepspeed.__file__, lm_eval.__file__)"],
                            capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
     assert where[0].startswith(str(WORK / "torch")) and where[1] == "5.23.0"
     assert where[2].startswith(str(host["site"])) and where[3].startswith(str(host["site"]))
+    # DeepSpeed's CPU ops built from the bundle's sources into the host's cache first: each row's timeout is for
+    # its run, not for a first compile on cores that make test's other sessions share
+    built = subprocess.run([str(host["python"]), "-c", BUILD_OPS], capture_output=True, text=True, env=env,
+                           timeout=1500)
+    assert built.returncode == 0, built.stderr[-3000:]
     proc = subprocess.run([str(host["python"]), "-m", "finetune_tools.gpu_check", "--smoke", "--tiny", "--rows",
-                           ",".join(REHEARSED), "--out", str(tmp_path)], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=1500)
+                           ",".join(REHEARSED), "--case-timeout", "600", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     status = {row["name"]: row["status"] for row in summary["rows"]}
