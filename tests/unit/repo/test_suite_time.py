@@ -90,7 +90,7 @@ def test_sessions_that_ran_beside_each_other_are_marked_and_the_wall_clock_is_he
     entries = [{"session": "unit", "started": 1000.0, "seconds": 300.0, "ok": True},
                {"session": "test-llama3-8b-zero3", "started": 1300.0, "seconds": 600.0, "ok": True},
                {"session": "test-llama2-13b-zero2", "started": 1300.0, "seconds": 400.0, "ok": True},
-               {"session": "slurm", "started": 1900.0, "seconds": 100.0, "ok": True}]
+               {"session": "slurm", "started": 1899.95, "seconds": 100.05, "ok": True}]  # rounded: the 8B's end
     (tmp_path / suite_time.TIMES).write_text("".join(json.dumps(e) + "\n" for e in entries))
     suite_time.main(tmp_path / "no-log", tmp_path)
     out = capsys.readouterr().out.splitlines()

@@ -79,8 +79,10 @@ def side_by_side(times: dict[str, dict]) -> set[str]:
     """The sessions, background jobs aside, that ran while another of them ran."""
     spans = {name: (e["started"], e["started"] + e["seconds"]) for name, e in times.items()
              if "started" in e and name not in BESIDE}
+    overlap = 1.0  # seconds: the times are written rounded, so one session's end may pass the next one's start
     return {name for name, (start, end) in spans.items()
-            if any(other != name and start < o_end and o_start < end for other, (o_start, o_end) in spans.items())}
+            if any(other != name and start < o_end - overlap and o_start < end - overlap
+                   for other, (o_start, o_end) in spans.items())}
 
 
 def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: dict[str, dict] | None = None
