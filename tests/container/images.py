@@ -30,7 +30,7 @@ def wheelhouse() -> str:
     if not stamp.is_file() or stamp.read_text() != digest:
         shutil.rmtree(house, ignore_errors=True)
         subprocess.run(["bash", "docker/build-wheelhouse.sh", "--lock", LOCK, str(house)], cwd=REPO, check=True,
-                       timeout=900)
+                       timeout=pm.BUILD_TIMEOUT_S)
         stamp.write_text(digest)
     return WHEELHOUSE
 

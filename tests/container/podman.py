@@ -18,7 +18,9 @@ HOME = REPO / ".nox/podman"
 PACKAGES = ("debootstrap", "podman", "buildah", "uidmap", "catatonit", "runc")
 TEST_BASE = "localhost/finetune-kit-test-base:bookworm"
 # buildah can hang on some mounts: a build never waits forever. make test builds the images ahead at the lowest
-# priority beside two lanes of tests: on a 2-core AMD EPYC the base image's build alone went past 25 minutes there.
+# CPU and disk priority beside two lanes of tests: on a 2-core AMD EPYC the base image's build alone went past 25
+# minutes there, and fetching its wheelhouse past 15. Every step of it (debootstrap, the wheelhouse, each build)
+# has this long.
 BUILD_TIMEOUT_S = 3600
 
 CONTAINERS_CONF = """\
@@ -61,10 +63,11 @@ def debian_base(env: dict) -> tuple[str, str]:
         if not tarball.is_file():
             shutil.rmtree(rootfs, ignore_errors=True)
             subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs),
-                            "http://deb.debian.org/debian"], check=True, capture_output=True, timeout=900)
+                            "http://deb.debian.org/debian"], check=True, capture_output=True,
+                           timeout=BUILD_TIMEOUT_S)
             subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(tarball), "."], check=True)
             shutil.rmtree(rootfs)
-        podman(env, "import", "--change", 'CMD ["/bin/bash"]', str(tarball), TEST_BASE)
+        podman(env, "import", "--change", 'CMD ["/bin/bash"]', str(tarball), TEST_BASE, timeout=BUILD_TIMEOUT_S)
         found = podman(env, "images", "--format", "{{.Digest}}", TEST_BASE).stdout.split()
     return TEST_BASE, found[0]
 
