@@ -404,6 +404,19 @@ class Observation:
     tokens_per_s_per_gpu: float
     source: str = "published"  # "published" | "measured"
     fitted: bool = True  # False: predicted and compared, kept out of every fit (a source too vague to fit on)
+    fp8: str = ""  # torchao float8 scaling of an fp8 run ("tensorwise", "rowwise"); "" for bf16. Never fitted.
+    compiled: bool = False  # decoder layers through torch.compile (what fp8's cost depends on)
+
+    def __post_init__(self):
+        if self.fp8 and self.fitted:
+            raise ValueError(f"{self.name}: an fp8 run is compared, never fitted (the fit is of bf16 compute)")
+
+
+def predict_observation(obs: Observation, efficiency: Efficiency | None = None) -> Prediction:
+    """:func:`predict`, or :func:`predict_fp8` for an fp8 run."""
+    if obs.fp8:
+        return predict_fp8(obs.job, obs.cluster, efficiency, obs.fp8, obs.compiled)
+    return predict(obs.job, obs.cluster, efficiency)
 
 
 def fit_efficiency(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
@@ -468,12 +481,12 @@ def _fit(observations: list[Observation], start: Efficiency | None = None) -> Ef
     return eff
 
 
-def held_out_errors(observations: list[Observation]) -> dict[str, float]:
+def held_out_errors(observations: list[Observation], fp8_overhead: dict | None = None) -> dict[str, float]:
     """Each observation predicted by the efficiencies fitted on all the other fitted ones: the relative error
-    (predicted / observed - 1) per observation name."""
+    (predicted / observed - 1) per observation name. fp8 runs take their cost from ``fp8_overhead`` (fitted on
+    measured pairs, :attr:`Efficiency.fp8_overhead`)."""
     out = {}
     for i, obs in enumerate(observations):
-        fitted = fit_efficiency(observations[:i] + observations[i + 1:])
-        out[obs.name] = predict(obs.job, obs.cluster, fitted).tokens_per_s(obs.cluster.gpus) \
-            / obs.tokens_per_s_per_gpu - 1
+        fitted = replace(fit_efficiency(observations[:i] + observations[i + 1:]), fp8_overhead=fp8_overhead or {})
+        out[obs.name] = predict_observation(obs, fitted).tokens_per_s(obs.cluster.gpus) / obs.tokens_per_s_per_gpu - 1
     return out
