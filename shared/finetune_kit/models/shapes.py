@@ -54,6 +54,10 @@ KNOWN_MODELS: dict[str, dict] = {
                      "max_position_embeddings": 131072},
     # the same shape as 3.3: a shape is named after the first match, so this one comes after it
     "llama3.1-70b": {"_name_or_path": "meta-llama/Llama-3.1-70B", **_LLAMA3_70B, "max_position_embeddings": 131072},
+    # Qwen3 4B (Hugging Face's Ulysses sequence-parallelism benchmark): head_dim 128 above hidden/heads, tied head
+    "qwen3-4b": {"_name_or_path": "Qwen/Qwen3-4B", **_heads(2560, 9728, 36, 32, 8), "head_dim": 128,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                 "tie_word_embeddings": True},
     # MosaicML MPT-7B (llm-foundry's benchmark model): GELU MLP x4, tied embeddings, no biases.
     # "mlp" is not an HF config field: it marks the two-matrix MLP for the counts below.
     "mpt-7b": {"_name_or_path": "mosaicml/mpt-7b", **_heads(4096, 16384, 32, 32), "vocab_size": 50432,

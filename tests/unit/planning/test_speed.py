@@ -113,6 +113,48 @@ def test_the_runs_in_results_are_predicted_within_the_error_the_results_page_sta
     assert "## Speed: the planner's prediction against every run of known speed" in page
 
 
+def test_published_rows_held_out_or_for_reference_never_move_the_fit():
+    from finetune_tools.results import calibration
+
+    rows = [o for o, _ in calibration.observations(REPO / "results")]
+    held = [o for o in rows if o.name in calibration.HELD_OUT]
+    assert len(held) >= 8 and not any(o.fitted for o in held)
+    assert not {o.name for o in rows} & set(calibration.REFERENCE)  # neither fitted nor predicted
+    kept = [o for o in rows if o.name not in calibration.HELD_OUT]
+    assert fit_efficiency(rows) == fit_efficiency(kept)
+    with pytest.raises(ValueError, match="never fitted"):
+        Observation("fp8", Job(LLAMA3_8B), Cluster(GPUS["h100"]), 1.0, fp8="tensorwise")
+
+
+def test_published_fp8_rows_are_predicted_with_the_cost_fitted_on_measured_pairs():
+    from finetune_tools.planning.speed import predict_fp8
+    from finetune_tools.results import calibration, fp8_pairs
+
+    rows = [o for o, _ in calibration.observations(REPO / "results")]
+    row = next(o for o in rows if o.name == "torchao-llama3-8b-fp8-tensorwise")
+    assert (row.fp8, row.compiled, row.cluster.gpus, row.job.seq_len) == ("tensorwise", True, 8, 8192)
+    eff = fit_efficiency(rows)
+    cost = fp8_pairs.fitted(fp8_pairs.pairs(REPO / "results"), eff)
+    assert "tensorwise compiled" in cost  # measured on an H100 (results/runs/fp8/), not torchao's published pair
+    expected = predict_fp8(row.job, row.cluster, replace(eff, fp8_overhead=cost), "tensorwise", True)
+    error = held_out_errors(rows, cost)[row.name]
+    assert error == pytest.approx(expected.tokens_per_s(8) / 7689.5 - 1)
+    assert error != pytest.approx(held_out_errors(rows)[row.name], abs=0.01)  # the measured cost is the one used
+
+
+def test_the_lever_table_sets_each_published_speed_up_beside_the_planners():
+    from finetune_tools.results import calibration
+
+    lines = calibration.lever_table(REPO / "results")
+    cells = {line.split(" | ")[1]: line.split(" | ") for line in lines[2:]}
+    assert len(cells) == len(calibration.LEVERS)
+    assert cells["torchao-llama3-8b-fp8-tensorwise"][3] == f"{7689.5 / 6150:.2f}x"
+    assert cells["torchtune-llama3.2-3b-fp8-rowwise-gw-hp"][3] == f"{7573.698 / 6502.143:.2f}x"
+    assert cells["hf-ulysses-qwen3-4b-sp4-64k"][3] == f"{13396 / 3633:.2f}x"  # all 4 GPUs against 1
+    page = (REPO / "results/README.md").read_text()
+    assert "\n".join(lines) in page
+
+
 def test_device_names_map_to_profiles():
     assert gpu_for_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
     assert gpu_for_device("H100 PCIe") is GPUS["h100-pcie"]

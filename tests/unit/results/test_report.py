@@ -25,16 +25,49 @@ def test_check_mode_fails_on_a_stale_page(tmp_path):
     assert report.main(["--results", str(tmp_path / "results"), "--check"]) == 1
 
 
+def published_by_id() -> dict:
+    _, rows = report.published_rows(RESULTS / "published.csv")
+    return {r.label.split(" · ")[0]: r for r in rows}
+
+
 def test_published_rows_get_per_gpu_rates_and_mfu_from_one_formula():
-    lines, rows = report.published_rows(RESULTS / "published.csv")
-    by_label = {r.label: r for r in rows}
-    qlora = next(r for label, r in by_label.items() if label.startswith("llama2-70b"))
-    assert qlora.tokens_per_s_per_device == pytest.approx(1024 * 2048 / 667 / 4)  # samples x tokens / s / GPUs
-    seed_13b = next(r for label, r in by_label.items() if label.startswith("llama-13b"))
-    assert seed_13b.tokens_per_s_per_device == 3500 / 8
-    foundry = next(r for label, r in by_label.items() if label.startswith("mpt-7b"))
-    assert foundry.mfu == pytest.approx(46.44, abs=0.1)  # the source's own MFU, recomputed
-    assert all(r.mfu is not None and not r.measured for r in rows)
+    by_id = published_by_id()
+    assert by_id["answerai-fsdp-qlora-llama2-70b"].tokens_per_s_per_device == pytest.approx(1024 * 2048 / 667 / 4)
+    assert by_id["seed-llama-13b-zero2"].tokens_per_s_per_device == 3500 / 8
+    assert by_id["llm-foundry-mpt-7b"].mfu == pytest.approx(46.44, abs=0.1)  # the source's own MFU, recomputed
+    assert not any(r.measured for r in by_id.values())
+    named = [r for r in by_id.values() if "not stated" not in r.label]
+    assert named and all(r.mfu is not None for r in named)
+
+
+def swiglu_matmul_params(hidden: int, ffn: int, layers: int, q_dim: int, kv_dim: int, vocab: int) -> int:
+    """N by hand: every weight that multiplies a token (attention, the gated MLP, the LM head; not the embedding)."""
+    return layers * (2 * hidden * q_dim + 2 * hidden * kv_dim + 3 * hidden * ffn) + hidden * vocab
+
+
+def test_the_fp8_long_context_and_nvidia_rows_derive_their_rates_and_mfu_by_hand():
+    by_id = published_by_id()
+    # torchao's 8B on 8 H100s at 8,192 tokens, tokens/s per GPU as quoted: 6N + 12 L H Q T per token
+    n = swiglu_matmul_params(4096, 14336, 32, 4096, 1024, 128256)
+    for name, speed in [("torchao-llama3-8b-bf16", 6150), ("torchao-llama3-8b-fp8-tensorwise", 7689.5),
+                        ("torchao-llama3-8b-fp8-rowwise", 6768)]:
+        assert by_id[name].tokens_per_s_per_device == speed
+        assert by_id[name].mfu == pytest.approx(speed * (6 * n + 12 * 32 * 4096 * 8192) / 989e12 * 100, abs=0.05)
+    assert by_id["torchao-llama3-8b-bf16"].mfu == pytest.approx(36.0, abs=0.1)
+    # the Ulysses post's 32K row: 7,733 tokens/s for the 4 GPUs; Qwen3-4B's heads are 128 wide (q 4,096 > 2,560)
+    n = swiglu_matmul_params(2560, 9728, 36, 4096, 1024, 151936)
+    row = by_id["hf-ulysses-qwen3-4b-sp4-32k"]
+    assert row.tokens_per_s_per_device == 7733 / 4
+    assert row.mfu == pytest.approx(7733 / 4 * (6 * n + 12 * 36 * 4096 * 32768) / 989e12 * 100, abs=0.05)
+    assert row.mfu == pytest.approx(16.05, abs=0.05)
+    # Transformer Engine's tutorial: 8 rows of at most 256 tokens in 185 ms on an unnamed GPU: no MFU
+    assert by_id["te-llama3-8b-te-fp8"].tokens_per_s_per_device == pytest.approx(8 * 256 / 0.185)
+    assert by_id["te-llama3-8b-te-fp8"].mfu is None
+    # NeMo 24.07's 70B LoRA, per GPU as quoted; a frozen base: 4N + 12 L H Q T per token
+    n = swiglu_matmul_params(8192, 28672, 80, 8192, 1024, 32000)
+    row = by_id["nemo-24.07-llama2-70b-lora"]
+    assert row.tokens_per_s_per_device == 2557
+    assert row.mfu == pytest.approx(2557 * (4 * n + 12 * 80 * 8192 * 4096) / 989e12 * 100, abs=0.05)
 
 
 def test_gpu_runs_and_cpu_smoke_runs_are_kept_apart(monkeypatch, tmp_path):

@@ -61,9 +61,10 @@ def has_speed(row: dict) -> bool:
 
 def published_rows(path: Path) -> tuple[list[str], list[Row]]:
     lines = [
-        "| Source | Configuration | Model | Hardware | Seq len | Tokens/s (all GPUs) | Tokens/s per GPU "
-        "| Model TFLOP/s per GPU | MFU % (this formula) | MFU % (as quoted) | As quoted |",
-        "|---|---|---|---|--:|--:|--:|--:|--:|--:|---|",
+        "| Source | Configuration | Precision | Model | Hardware | Seq len | Tokens/s (all GPUs) | Tokens/s per GPU "
+        "| Model TFLOP/s per GPU | Model TFLOP/s per GPU (as quoted) | MFU % (this formula) | MFU % (as quoted) "
+        "| As quoted |",
+        "|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     rows = []
     with path.open(newline="") as f:
@@ -85,11 +86,13 @@ def published_rows(path: Path) -> tuple[list[str], list[Row]]:
             mfu = mfu_percent(tflops, peak_tflops(r["hardware"]))
             source = f"[{r['source']}]({r['url']})" if r["url"] else r["source"]
             seq = f"{seq_len:,}" + ("" if r["seq_len_source"] == "stated" else "*")
+            mark = " ‡" if r["id"] in calibration.REFERENCE else ""
             lines.append(
-                f"| {source} | {r['configuration']} | {arch.name} | {gpus}× {r['hardware']} | {seq} "
-                f"| {_fmt(total)} | {_fmt(per_gpu)} | {_fmt(tflops, 1)} | {_fmt(mfu, 1)} "
-                f"| {_fmt(_num(r['mfu_percent']), 2)} | {r['quoted']} |")
-            rows.append(Row(f"{arch.name} · {r['configuration']} · {gpus}× {r['hardware']}",
+                f"| {source}{mark} | {r['configuration']} | {r['precision']} | {arch.name} | {gpus}× {r['hardware']} "
+                f"| {seq} | {_fmt(total)} | {_fmt(per_gpu)} | {_fmt(tflops, 1)} "
+                f"| {_fmt(_num(r['model_tflops_quoted']), 1)} | {_fmt(mfu, 1)} "
+                f"| {_fmt(_num(r['mfu_percent']), 2)} | {r['quoted'].replace('|', chr(92) + '|')} |")
+            rows.append(Row(f"{r['id']} · {r['precision']} · {gpus}× {r['hardware']}",
                             per_gpu, mfu, measured=False))
     with path.open(newline="") as f:
         unstated: dict[str, list[str]] = {}
@@ -98,8 +101,13 @@ def published_rows(path: Path) -> tuple[list[str], list[Row]]:
                 unstated.setdefault(r["seq_len_source"], []).append(r["id"])
     for text, ids in unstated.items():
         lines += ["", f"\\* {', '.join(ids)}: sequence length {text}."]
-    lines += ["", "Frozen-base rows count no trainable (LoRA) parameters when the source does not give them: "
-              "their TFLOP/s and MFU are lower bounds."]
+    reasons: dict[str, list[str]] = {}
+    for name, why in calibration.REFERENCE.items():
+        reasons.setdefault(why, []).append(name)
+    lines += ["", "‡ Reference only, neither fitted nor predicted by the speed model: "
+              + "; ".join(f"{', '.join(ids)}: {why}" for why, ids in reasons.items()) + "."]
+    lines += ["", "Frozen-base rows count no trainable (LoRA) parameters (a lower bound on their TFLOP/s and MFU); "
+              "fp8 rows are set against the bf16 peak, as every row; a row without a named GPU has no MFU."]
     return lines, rows
 
 
@@ -348,10 +356,18 @@ def render(results: Path) -> tuple[str, list[Row]]:
         "the collectives of the engine over the slowest link, a fitted time per optimizer step, CPU offload) "
         "predicts each run from the constants fitted on all the other runs (leave one out): the error is a "
         "held-out error. Published rows use their sources' setups, with what a source leaves out assumed as "
-        "the last column says (`shared/finetune_kit/results/calibration.py`). The GPU-measured rows are one "
-        "GPU each: they calibrate compute and offload, not communication. Multi-GPU runs measured here will "
-        "replace the published rows' part of the calibration when they exist.", "",
+        "the last column says (`shared/tools/finetune_tools/results/calibration.py`). The rows marked \"held out: "
+        "compared, never fitted\" test the model on figures it has never seen: each is what `make plan` predicts "
+        "for its setup with the committed constants. The GPU-measured rows are one GPU each: they calibrate "
+        "compute and offload, not communication. Multi-GPU runs measured here will replace the published rows' "
+        "part of the calibration when they exist.", "",
         *calibration.table(results), "",
+        "### Published speed-ups of one lever against the planner's", "",
+        "fp8 and Ulysses sequence parallelism as their sources measured them, a row against its baseline in the "
+        "same table (tokens/s of all the row's GPUs over the baseline's), beside the planner's ratio for the same "
+        "two setups: the constants fitted above (these rows never fitted) and fp8's costs fitted on the pairs "
+        "measured here (`runs/fp8/`).", "",
+        *calibration.lever_table(results), "",
         "## CPU smoke runs", "",
         "CPU runs of the recipes on tiny models: they show the code path and the metering work, "
         "not a speed.", "", *smoke, "",
