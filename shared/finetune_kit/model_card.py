@@ -1,7 +1,8 @@
 """The model card: ``README.md`` in each folder a run saved (``model/``, ``adapter/``, ``merged/``), ready to publish.
 
 A Hugging Face model card, generated from the run's own files, never typed: YAML front matter (``base_model``,
-``library_name``, ``pipeline_tag``, ``tags``, ``datasets`` by hub name or the data file's sha256), then how
+``library_name``, ``pipeline_tag``, ``tags``, ``datasets``: hub dataset ids only, a local file being named with its
+sha256 in the card's Data section, where a hub would link a name to a dataset that does not exist), then how
 to load it, the recipe and its settings, the data counts, the throughput and memory measured during the run,
 the validation and ``make eval``'s results (``eval/summary.json``) and the sample answers (``samples.jsonl``).
 Written at the end of a run (rank 0) and again by the evaluation harness and the merged export, so the card
@@ -60,8 +61,9 @@ def render(folder: str, facts: dict) -> str:
         front.append(f"base_model: {base}")
     front += [f"library_name: {library}", f"pipeline_tag: {'text-classification' if classifier else 'text-generation'}",
               "tags:", *(f"- {tag}" for tag in _tags(record, folder))]
-    if datasets:
-        front += ["datasets:", *(f"- {name}" for name, _ in datasets)]
+    hub_datasets = [name for name, _ in datasets if name]
+    if hub_datasets:
+        front += ["datasets:", *(f"- {name}" for name in hub_datasets)]
     front.append("---")
     lines = [*front, "", f"# {record['recipe']}: {Path(base).name} fine-tuned ({_what(record, folder)})", ""]
     lines += [f"Fine-tuned from `{base}` with the `{record['recipe']}` recipe of {PROJECT} "
@@ -75,7 +77,7 @@ def render(folder: str, facts: dict) -> str:
     lines += ["## Training", "", "| setting | value |", "|---|---|",
               *(f"| {k} | {v} |" for k, v in _settings(record, info, settings)), ""]
     if datasets:
-        lines += ["## Data", "", *(f"- {name}: {what}" for name, what in datasets)]
+        lines += ["## Data", "", *(f"- {what}" for _, what in datasets)]
         data = record.get("data")
         if data:
             lines += [f"- {data['rows']} rows ({data['format']}, chat template {data['chat_template']}) -> "
@@ -106,7 +108,7 @@ def _tags(record: dict, folder: str) -> list[str]:
 
 
 def _datasets(record: dict, settings: dict) -> list[tuple[str, str]]:
-    """``(front-matter name, what)`` per data source: a hub dataset by name, a local file by its sha256."""
+    """``(hub id or "", what)`` per data source: a hub dataset by its id, a local file by name and sha256."""
     sources = settings.get("data")
     if isinstance(sources, str) and sources.startswith("["):  # a list of files, recorded as its text
         sources = [s.strip(" '\"") for s in sources.strip("[]").split(",")]
@@ -115,9 +117,9 @@ def _datasets(record: dict, settings: dict) -> list[tuple[str, str]]:
         path = Path(source).expanduser()
         if path.is_file():
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            out.append((f"sha256:{digest}", f"local file `{path.name}`, sha256 {digest}"))
+            out.append(("", f"local file `{path.name}`, sha256 {digest}"))
         elif path.suffix.lower() in (".jsonl", ".json", ".csv"):
-            out.append((f"file:{path.name}", f"local file `{path.name}` (no longer at {source})"))
+            out.append(("", f"local file `{path.name}` (no longer at {source})"))
         else:
             out.append((source, f"hub dataset `{source}`"))
     return out

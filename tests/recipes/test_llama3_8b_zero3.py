@@ -333,7 +333,8 @@ def test_the_model_card_is_generated_from_the_run(run, run_info):
     meta = yaml.safe_load(front)
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
     assert {"llama3-8b-zero3", "deepspeed", "zero-3", "full"} <= set(meta["tags"])
-    assert meta["datasets"] == [f"sha256:{hashlib.sha256(SAMPLE.read_bytes()).hexdigest()}"]
+    assert "datasets" not in meta  # hub ids only: the local file is named with its sha256 in the body
+    assert f"local file `{SAMPLE.name}`, sha256 {hashlib.sha256(SAMPLE.read_bytes()).hexdigest()}" in body
     assert "base_model" not in meta  # a local folder is no hub id
     record = json.loads((run / "run_record.json").read_text())
     assert f"| tokens/s (all devices) | {record['measured']['tokens_per_s']:,.0f} |" in body

@@ -56,7 +56,8 @@ def test_a_classifier_run_gets_an_adapter_card_and_a_merged_card(tmp_path):
     assert {"lora", "qlora", "zero-3", "llama3-70b-qlora"} <= set(adapter["tags"])
     import hashlib
 
-    assert adapter["datasets"] == [f"sha256:{hashlib.sha256(reviews.read_bytes()).hexdigest()}"]
+    assert "datasets" not in adapter  # a hub lists hub ids there: a local file is named in the body
+    assert f"- local file `reviews.csv`, sha256 {hashlib.sha256(reviews.read_bytes()).hexdigest()}" in body
     assert "PeftModel.from_pretrained(base" in body and "AutoModelForSequenceClassification" in body
     assert "| LoRA | rank 16, alpha 32, dropout 0.05, targets all-linear |" in body
     assert "| micro-batch x accumulation x data-parallel ranks | 4 x 4 x 8 |" in body
@@ -79,6 +80,17 @@ def test_a_hub_dataset_is_named_and_the_evaluation_summary_is_shown(tmp_path):
     assert meta["datasets"] == ["tatsu-lab/alpaca"] and meta["pipeline_tag"] == "text-generation"
     assert "| heldout | perplexity | 1.264 |" in body and "lm-evaluation-harness 0.4.13" in body
     assert "| Name a \\| pipe | x | A pipe: \\| |" in body  # a table cell's pipes are escaped
+
+
+def test_the_front_matter_lists_hub_datasets_only_and_the_body_names_every_source(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "response": "b"}\n')
+    run = write_run(tmp_path / "run", recipe="llama3-8b-zero3", method="full", model="meta-llama/Meta-Llama-3-8B",
+                    data=str([str(rows), "tatsu-lab/alpaca", str(tmp_path / "gone.jsonl")]), folders=("model",))
+    meta, body = front_and_body(model_card.render("model", model_card._facts(run)))
+    assert meta["datasets"] == ["tatsu-lab/alpaca"]
+    assert "- local file `rows.jsonl`, sha256 " in body and "- hub dataset `tatsu-lab/alpaca`" in body
+    assert f"- local file `gone.jsonl` (no longer at {tmp_path / 'gone.jsonl'})" in body
 
 
 @pytest.mark.parametrize("missing", ["run_record.json", "run_info.json"])
