@@ -11,6 +11,11 @@ wide); so does this. Under ZeRO-3 the slices' gradients are held back until the 
 call gathers the partitioned weights: the count is agreed by an all-reduce (max) per call, and the
 tokens are padded with zeros to a multiple of it (a zero row's MLP output and gradients are zero), so
 that every slice exists on every rank in the forward and the backward.
+
+Two MLP shapes are known (:data:`SHAPES`): Llama's gated MLP (``gate_proj``, ``up_proj``, ``down_proj``: Llama,
+Mistral, Qwen, Gemma and most others) and Phi-3's, whose gate and up projections are one matmul
+(``gate_up_proj``) split in two. :func:`check` answers from the model's config, before any weights load,
+whether its MLP is one of them.
 """
 
 from __future__ import annotations
@@ -21,17 +26,55 @@ import types
 import torch
 
 
+# The MLP shapes the tiled forward knows: the module attributes that name one, and its forward on a slice.
+def _gated(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fused_gated(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(up * self.activation_fn(gate))
+
+
+SHAPES = {("gate_proj", "up_proj", "down_proj", "act_fn"): _gated,  # Llama and most others
+          ("gate_up_proj", "down_proj", "activation_fn"): _fused_gated}  # Phi-3: gate and up in one matmul
+
+
+def mlp_forward(mlp):
+    """The slice forward for ``mlp``'s shape; None for a shape :data:`SHAPES` does not know."""
+    return next((fn for names, fn in SHAPES.items() if all(hasattr(mlp, n) for n in names)), None)
+
+
+def check(model_config, flag: str = "--tiled-mlp") -> None:
+    """ConfigError unless every decoder layer's MLP of ``model_config`` has a known shape: the model is built
+    on the meta device (no memory, no weights) and its MLPs looked at."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune_kit.errors import ConfigError
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    unknown = next((m for m in mlps if mlp_forward(m) is None), None) if mlps else model
+    if unknown is not None:
+        layers = sorted({n for n, c in unknown.named_children() if isinstance(c, torch.nn.Linear)})
+        raise ConfigError(f"{flag} with {getattr(model_config, 'model_type', '?')}: its MLP "
+                          f"({type(unknown).__name__}, linear layers {', '.join(layers) or 'none'}) is neither "
+                          "Llama's gated MLP (gate_proj, up_proj, down_proj) nor Phi-3's fused one (gate_up_proj, "
+                          f"down_proj), the shapes the tiled MLP computes. Drop {flag}.")
+
+
 def use_tiled_mlp(model, enabled: bool = True):
-    """Make every decoder layer's MLP (Llama's gate/up/down) run through DeepSpeed's ``TiledMLP``.
+    """Make every decoder layer's MLP (a shape of :data:`SHAPES`) run through DeepSpeed's ``TiledMLP``.
     Returns the model; ``enabled`` False leaves it as it is."""
     if not enabled:
         return model
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in lm.model.layers:
         mlp = layer.mlp
-        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            raise TypeError(f"{type(mlp).__name__} is not a gated MLP (gate_proj, up_proj, down_proj): the tiled MLP "
-                            "is written for Llama-family layers")
+        if mlp_forward(mlp) is None:
+            raise TypeError(f"{type(mlp).__name__}: not an MLP shape the tiled MLP knows (Llama's gate_proj, up_proj, "
+                            "down_proj; Phi-3's gate_up_proj, down_proj)")
         mlp.forward = types.MethodType(_tiled_forward, mlp)
     return model
 
@@ -39,10 +82,6 @@ def use_tiled_mlp(model, enabled: bool = True):
 def shards_for(tokens: int, hidden: int) -> int:
     """DeepSpeed's choice: slices about as long as the hidden size."""
     return max(1, math.ceil(tokens / hidden))
-
-
-def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +92,9 @@ def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
         agreed = torch.tensor(shards, device=x.device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         shards = int(agreed.item())
-    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    params = [p for p in self.parameters()]  # gate/up/down, or gate_up/down: held back until the last slice
     tokens, pad = x.shape[-2], -x.shape[-2] % shards
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    out = TiledMLP.apply(_mlp, self, x, shards, params)
+    out = TiledMLP.apply(mlp_forward(self), self, x, shards, params)
     return out[..., :tokens, :] if pad else out

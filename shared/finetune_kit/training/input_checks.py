@@ -22,7 +22,7 @@ from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError, DataError
 from finetune_kit.launch import config_checks, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
-from finetune_kit.models import fp8
+from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import memory
@@ -111,6 +111,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         raise ConfigError("--tiled-mlp under FSDP2: DeepSpeed's TiledMLP holds each slice's gradients back for ZeRO, "
                           "which FSDP2's reduce-scatter would take once per slice. Launch with a DeepSpeed config "
                           "(configs/zero3-ulysses.yaml), or drop --tiled-mlp.")
+    if getattr(args, "tiled_mlp", False):
+        tiled_mlp.check(model_config)
     identity = {"architecture": architecture(model_config, shape), "method": method, "num_labels": num_labels,
                 "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
 

@@ -79,15 +79,27 @@ def test_packed_rows_get_a_tail_of_padding_that_is_its_own_example():
     assert torch.cat([s["shift_labels"] for s in slices], dim=1)[0, 10:].eq(-100).all()
 
 
-@pytest.mark.parametrize("tokens", [128, 200])  # 2 slices; 200: not a multiple of its 4, padded inside
-def test_the_tiled_mlp_computes_the_plain_mlps_output_and_gradients(tokens):
+def llama_mlp():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
+    return LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=224))
+
+
+def phi3_mlp():  # gate and up in one matmul, split in two
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    return Phi3MLP(Phi3Config(hidden_size=64, intermediate_size=224))
+
+
+@pytest.mark.parametrize("make", [llama_mlp, phi3_mlp])
+@pytest.mark.parametrize("tokens", [128, 200])  # 2 slices; 200: not a multiple of its 4, padded inside
+def test_the_tiled_mlp_computes_the_plain_mlps_output_and_gradients(tokens, make):
     from finetune_kit.models.tiled_mlp import _tiled_forward, shards_for
 
     torch.manual_seed(0)
-    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=224)).double()
+    mlp = make().double()
     x = torch.randn(2, tokens, 64, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(2, tokens, 64, dtype=torch.float64)
     plain = mlp(x)
@@ -102,3 +114,20 @@ def test_the_tiled_mlp_computes_the_plain_mlps_output_and_gradients(tokens):
     torch.testing.assert_close(tiled, plain, rtol=1e-12, atol=1e-12)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_the_tiled_mlp_knows_llama_and_phi3_from_their_configs_and_refuses_another_shape_in_one_line():
+    from transformers import GPT2Config, LlamaConfig, Phi3Config, PhiConfig
+
+    from finetune_kit.models import tiled_mlp
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    tiled_mlp.check(LlamaConfig(**small))
+    tiled_mlp.check(Phi3Config(**small, pad_token_id=0))
+    with pytest.raises(ConfigError) as refused:  # Phi-2: fc1 and fc2, no gate
+        tiled_mlp.check(PhiConfig(**small))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--tiled-mlp with phi: its MLP (PhiMLP, linear layers fc1, fc2)")
+    assert message.endswith("Drop --tiled-mlp.")
+    with pytest.raises(ConfigError, match="--tiled-mlp with gpt2: its MLP"):
+        tiled_mlp.check(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128))
