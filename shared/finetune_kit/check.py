@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import ConfigError, UserInputError
 from finetune_kit.launch import command
 from finetune_kit.launch.failures import ERROR_FILE_VAR
@@ -128,7 +129,7 @@ def _stop_signals_go_to(proc: subprocess.Popen) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = command_line.ArgumentParser(
         prog="python -m finetune_kit.check", description="Check a recipe's inputs once, then run its launch command.")
     parser.add_argument("--check-only", action="store_true", help="check the inputs and launch nothing")
     parser.add_argument("launch", nargs=argparse.REMAINDER,

@@ -9,16 +9,16 @@ model card says so. The same as the recipe's ``--merge``, for a run that finishe
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune_kit.merge", description=__doc__.splitlines()[0])
+    parser = command_line.ArgumentParser(prog="python -m finetune_kit.merge", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="the run folder (--output of the training run)")
     parser.add_argument("--base", default=None, help="the base model (default: the run's, from run_info.json)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

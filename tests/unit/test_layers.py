@@ -14,7 +14,7 @@ PACKAGE = SHARED / "finetune_kit"  # the runtime: what a recipe imports when it 
 TOOLS = SHARED / "tools/finetune_tools"  # the tools over the repository; may use the runtime, never the reverse
 # bottom to top; one rank may hold several packages, which then must not use each other
 LAYERS = [
-    ("errors", "caches"),  # caches: where the kit keeps what it reuses between launches
+    ("errors", "caches", "command_line"),  # caches: what the kit reuses between launches; command_line: argparse
     ("outputs", "output_lock", "model_card"),  # model_card: a saved folder's README.md, from the run's files
     ("data",),
     ("models",),

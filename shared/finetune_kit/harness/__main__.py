@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.harness import inputs
 
@@ -40,9 +41,9 @@ def positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m finetune_kit.harness",
-                                description="Evaluate a training run's saved model with lm-evaluation-harness, "
-                                            "offline (docs/evaluation.md).")
+    p = command_line.ArgumentParser(prog="python -m finetune_kit.harness",
+                                    description="Evaluate a training run's saved model with lm-evaluation-harness, "
+                                                "offline (docs/evaluation.md).")
     p.add_argument("run", help="a training run's output folder (model/ or merged/ or adapter/, heldout.jsonl)")
     p.add_argument("--model", help="the model or adapter folder to evaluate (default: <run>/model, else "
                                    "<run>/merged, else <run>/adapter over its base)")

@@ -18,12 +18,12 @@ both nodes are up; a node that never comes fails after ``timeout_s``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env
 
@@ -134,7 +134,8 @@ def handshake(timeout_s: float = 300.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Check that two nodes' accelerate configs form one job.")
+    parser = command_line.ArgumentParser(prog="python -m finetune_kit.launch.multinode",
+                                         description="Check that two nodes' accelerate configs form one job.")
     parser.add_argument("main_config", help="accelerate YAML of the main node (machine_rank 0)")
     parser.add_argument("worker_config", help="accelerate YAML of a worker node")
     parser.add_argument("--node-rank", type=int, default=None, help="the machine_rank this node is meant to have")

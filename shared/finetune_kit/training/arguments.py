@@ -142,14 +142,12 @@ def parse(arguments: type, argv=None, *, description: str, trainer: type | None 
     as a dict, to build once the checks have passed."""
     from transformers import HfArgumentParser
 
-    class OneLineErrors(HfArgumentParser):
-        """A bad flag or value is one line naming it, as every other bad input is (argparse prints its whole
-        usage first: 30 lines and more for a recipe); --help still prints the usage."""
+    from finetune_kit.command_line import OneLineErrors
 
-        def error(self, message: str):
-            self.exit(2, f"{self.prog}: error: {message}. Run {self.prog} --help for every flag.\n")
+    class Parser(OneLineErrors, HfArgumentParser):
+        """A bad flag or value is one line naming it (:mod:`finetune_kit.command_line`)."""
 
-    parser = OneLineErrors((arguments, trainer) if trainer else (arguments,), description=description)
+    parser = Parser((arguments, trainer) if trainer else (arguments,), description=description)
     parser.set_defaults(**defaults)
     values = vars(parser.parse_args(argv))
     own = {f.name for f in dataclasses.fields(arguments)}

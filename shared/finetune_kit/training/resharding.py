@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env, nvme
 from finetune_kit.training import checkpoints
@@ -98,14 +99,16 @@ def ranks(n: int) -> str:
     return f"{n} rank" + ("" if n == 1 else "s")
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m finetune_kit.training.resharding")
+def main(argv=None) -> None:
+    parser = command_line.ArgumentParser(prog="python -m finetune_kit.training.resharding")
     parser.add_argument("command", choices=["to-universal"])
     parser.add_argument("checkpoint", type=Path, help="a complete checkpoint folder (checkpoints/step_N)")
     parser.add_argument("--workers", type=int, default=4, help="processes reading and merging the shards")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
     if not (cli.checkpoint / checkpoints.MANIFEST).is_file():
         parser.error(f"'{cli.checkpoint}' is not a complete checkpoint folder (no {checkpoints.MANIFEST})")
     print(f"universal checkpoint: {to_universal(checkpoints.verify(cli.checkpoint), cli.workers)}")
+
+
+if __name__ == "__main__":
+    main()

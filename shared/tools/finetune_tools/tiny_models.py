@@ -14,13 +14,13 @@ download is needed. Building is deterministic for a given seed.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from finetune_kit import command_line
 from finetune_kit.data.instructions import SAMPLE_INSTRUCTIONS
 from finetune_kit.data.templates import SHIPPED as SHIPPED_TEMPLATES
 
@@ -150,7 +150,8 @@ def build_tiny(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = command_line.ArgumentParser(prog="python -m finetune_tools.tiny_models",
+                                         description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama3")
     parser.add_argument("--out", required=True, help="folder to write the model to")
     parser.add_argument("--hidden-size", type=int, default=64)

@@ -21,7 +21,6 @@ kernel library) at that version, without walking its requirements (they must be 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -33,6 +32,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from finetune_kit import command_line
 from finetune_kit.metering.run_record import normalise, read_pins
 
 HOST_OWN = ("torch", "triton")  # with every nvidia-* library: the host's CUDA build, never replaced
@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     from finetune_tools.paths import find_root
 
     root = find_root(None)
-    p = argparse.ArgumentParser(prog="python -m finetune_tools.gpu_check.bundle", description=__doc__.splitlines()[0])
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.gpu_check.bundle",
+                                    description=__doc__.splitlines()[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--have", type=Path, help="the host's `pip list --format=freeze` output")
     where.add_argument("--host-python", help="the host's Python, to ask for its packages")

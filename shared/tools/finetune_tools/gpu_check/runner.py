@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_tools.gpu_check import ablation, host_check
 from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, cpu_adam, recipe_flags
 from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
@@ -203,8 +204,8 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m finetune_tools.gpu_check", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.gpu_check", description=__doc__.splitlines()[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     p.add_argument("--tiny", action="store_true", default=None,
                    help="tiny width on CPU (the default without a GPU); --no-tiny forces the real width")

@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_tools.gpu_check import host_check, runner
 from finetune_tools.gpu_check.cases import ACCELERATE_1GPU, BY_NAME, Case
 from finetune_tools.gpu_check.synthetic import check_shape
@@ -236,8 +237,9 @@ def libraries() -> dict[str, str | None]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m finetune_tools.gpu_check --smoke", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.gpu_check --smoke",
+                                    description=__doc__.splitlines()[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="(this mode)")
     p.add_argument("--tiny", action="store_true", default=None, help="tiny width on CPU (the default without a GPU)")
     p.add_argument("--rows", default=None, help=f"comma-separated rows (default: all): {', '.join(BY_ROW)}")

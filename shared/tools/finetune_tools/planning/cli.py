@@ -35,6 +35,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
 from finetune_kit.planning.memory import (
@@ -99,8 +100,8 @@ def render_plan(p: Plan, flags: dict | None = None) -> str:
 
 # ---- command line ----
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m finetune_tools.planning", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.planning", description=__doc__.split("\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("what to plan (one of)")
     what.add_argument("--model", help="config.json, model folder, or a known architecture (llama3-8b, ...)")
     what.add_argument("--recipe", type=Path, help="recipe folder with a memory_plan.json: plan each setup")

@@ -4,17 +4,17 @@ python -m finetune_tools.repo suite-time LOG [--root R]: make test's minutes per
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_tools.paths import find_root
 from finetune_tools.repo import pins, readmes, suite_time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m finetune_tools.repo", description="Repository tooling.")
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.repo", description="Repository tooling.")
     commands = p.add_subparsers(dest="command", required=True)
     cmd = commands.add_parser("readmes", help="regenerate the generated blocks of recipes/*/README.md",
                               description=readmes.__doc__.split("\n")[0])

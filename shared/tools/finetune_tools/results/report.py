@@ -13,13 +13,13 @@ measured rows get per-GPU throughput and MFU from the same formula (:mod:`finetu
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.metering import keys
 from finetune_kit.metering.flops import FlopCounter, mfu_percent, peak_tflops
@@ -394,7 +394,7 @@ def generate(results: Path, out: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.results", description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=None,
                    help="folder with published.csv and runs/ (default: the repository's results/)")
     p.add_argument("--out", type=Path, default=None, help="where to write (default: --results)")
