@@ -44,6 +44,7 @@ from tests.harness import (
     bad_input_args,
     free_port,
     launch_nodes,
+    load_script,
     losses,
     make_target,
     netns_unavailable,
@@ -224,7 +225,7 @@ def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_ll
     assert not torch.equal(untrained.score.weight, model.base_model.model.score.modules_to_save["default"].weight)
 
 
-def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path):
+def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp_path, recipe_main, monkeypatch):
     output = tmp_path / "resumed"
     nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
                              "--save-every", str(SAVE_EVERY),
@@ -243,6 +244,10 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     assert merged.config.pad_token_id is not None
     assert merged.config.id2label == {0: "negative", 1: "positive"}
     assert_merged_classifies_like_base_and_adapter(output, tiny_llama3, merged)
+    # merged/ is a base another run can start from: the recipe's checks take it (recipe_main: from the recipe folder)
+    args, checked, *_ = load_script(RECIPE / "train.py").check_inputs(
+        [*sizes(tiny_llama3)[2:], "--model", str(output / "merged"), "--output", str(tmp_path / "from-merged")])
+    assert checked.shape.num_hidden_layers == merged.config.num_hidden_layers and args.model.endswith("merged")
 
 
 MERGED_LOGITS_ATOL = 1e-2  # measured 2.9e-3 (bf16 rounding of W + BA); LoRA updates 10% larger: 3.7e-2

@@ -48,6 +48,7 @@ from tests.harness import (
     free_port,
     killed_whole_after,
     launch_env,
+    load_script,
     losses,
     make_target,
     read_metrics,
@@ -964,6 +965,16 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
                                       r"training\. Pass --samples 4"),
     ("no_sample_tokens", r"--sample-tokens 0: the most new tokens of a sample answer, 1 or more"),
     ("missing_sample_prompts", r"data file '.*absent-prompts\.jsonl' does not exist\. Pass --sample-prompts with"),
+    ("peft_adapter_as_model", r"model folder '.*adapter' is a PEFT adapter \(adapter_config\.json; its base: "
+                              r"'meta-llama/Meta-Llama-3-8B'\), not a model.* Merge it into its base first .* "
+                              r"or pass --model meta-llama/Meta-Llama-3-8B"),
+    ("checkpoint_as_model", r"model folder '.*step_000004' is a training checkpoint .* launch the run's command "
+                            r"again with --output .*/earlier --resume .*step_000004; .* "
+                            r"pass --model .*earlier/model\.$"),
+    ("run_folder_as_model", r"model folder '.*earlier' is a training run's output folder, not a model: its saved "
+                            r"model is .*earlier/model; pass --model .*earlier/model\.$"),
+    ("classifier_as_model", r"model '.*classifier' is a sequence classifier \(LlamaForSequenceClassification: a "
+                            r"score head of 2 labels, no LM head\); this recipe trains a causal LM"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -994,6 +1005,25 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     elif case == "model_without_tokenizer":  # what a bare model.save_pretrained(folder) leaves
         shutil.copytree(tiny_llama3, tmp_path / "bare", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
         args["--model"] = str(tmp_path / "bare")
+    elif case == "peft_adapter_as_model":  # what PEFT's save_pretrained leaves
+        (tmp_path / "adapter").mkdir()
+        (tmp_path / "adapter/adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Meta-Llama-3-8B", "r": 16}))
+        args["--model"] = str(tmp_path / "adapter")
+    elif case in ("checkpoint_as_model", "run_folder_as_model"):  # a run's folders: checkpoints/step_N, the run
+        step = tmp_path / "earlier/checkpoints/step_000004"
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text("{}")
+        shutil.copytree(tiny_llama3, tmp_path / "earlier/model")
+        (tmp_path / "earlier/run_record.json").write_text("{}")
+        args["--model"] = str(step if case == "checkpoint_as_model" else tmp_path / "earlier")
+    elif case == "classifier_as_model":  # the 70B recipe's merged/ folder, say
+        shutil.copytree(tiny_llama3, tmp_path / "classifier")
+        config = json.loads((tmp_path / "classifier/config.json").read_text())
+        config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "neg", "1": "pos"},
+                      label2id={"neg": 0, "pos": 1})
+        (tmp_path / "classifier/config.json").write_text(json.dumps(config))
+        args["--model"] = str(tmp_path / "classifier")
     elif case == "negative_loss_chunks":
         args["--loss-chunks"] = "-1"
     elif case == "negative_data_workers":
@@ -1035,6 +1065,16 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     with pytest.raises(UserInputError, match=pattern):
         recipe_main(bad_input_args(args))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_saved_model_folder_is_a_base_the_checks_take(run, recipe_main, tmp_path):
+    """model/ of a finished run (weights, config, tokenizer, chat template, its card) starts another run: the checks
+    pass it (recipe_main: from the recipe folder, as a launcher starts a rank)."""
+    recipe = load_script(RECIPE / "train.py")
+    flags = {"--model": str(run / "model"), "--data": str(SAMPLE), "--max-seq-len": "128",
+             "--output": str(tmp_path / "next")}
+    args, checked, rows = recipe.check_inputs(bad_input_args(flags))
+    assert (run / "model/README.md").is_file() and checked.shape.num_hidden_layers > 0 and rows
 
 
 def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llama3, tmp_path, monkeypatch):

@@ -29,6 +29,8 @@ def load_config(model: str):
             f"model path '{model}' does not exist. Pass --model with a local model folder "
             "(one that holds config.json) or a hub id such as meta-llama/Meta-Llama-3-8B."
         )
+    if path.is_dir():
+        check_not_a_run_file(model, path)
     if path.exists() and not (path / "config.json").is_file():
         raise ConfigError(
             f"model folder '{model}' has no config.json: it is not a Hugging Face model folder. "
@@ -58,6 +60,49 @@ def load_config(model: str):
             f"({err.__class__.__name__}). Check the spelling, your hub access token for gated "
             "models, or download it and pass the local path."
         ) from err
+
+
+def check_not_a_run_file(model: str, path: Path) -> None:
+    """A ConfigError for the folders a user may take for a model and that are not one, each saying what to pass
+    instead: a PEFT adapter, one of this project's checkpoints (``checkpoints/step_N``), a run's output folder."""
+    import json
+
+    if (path / "adapter_config.json").is_file():
+        try:
+            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or "?"
+        except (OSError, ValueError):
+            base = "?"
+        raise ConfigError(
+            f"model folder '{model}' is a PEFT adapter (adapter_config.json; its base: '{base}'), not a model: the "
+            "recipes train a whole model or a new adapter on one. Merge it into its base first (make merge "
+            f"RUN=<its run folder> for this project's QLoRA runs, or PEFT's merge_and_unload()) and pass the merged "
+            f"folder, or pass --model {base} to start from the base.")
+    if not (path / "config.json").is_file() and ((path / "manifest.json").is_file()
+                                                 or (path / "trainer_state.json").is_file()):
+        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        raise ConfigError(
+            f"model folder '{model}' is a training checkpoint (optimizer and sharded weights, no config.json), not a "
+            f"model. To continue its run, launch the run's command again with --output {run} --resume {model}; to "
+            f"start a new run from its finished weights, pass --model {run / 'model'}.")
+    if not (path / "config.json").is_file() and any((path / f).is_file() for f in ("run_record.json", "run_info.json")):
+        saved = [path / name for name in ("model", "merged") if (path / name / "config.json").is_file()]
+        raise ConfigError(
+            f"model folder '{model}' is a training run's output folder, not a model: "
+            + (f"its saved model is {saved[0]}; pass --model {saved[0]}." if saved else
+               "it holds no saved model (model/ or merged/) yet; pass the folder of one."))
+
+
+def check_causal_lm(config, model: str) -> None:
+    """A ConfigError when ``config`` is of a sequence classifier (a score head, no LM head) given to a recipe
+    that trains a causal LM."""
+    architectures = getattr(config, "architectures", None) or []
+    classifier = next((a for a in architectures if a.endswith("ForSequenceClassification")), None)
+    if classifier:
+        labels = getattr(config, "num_labels", "?")
+        raise ConfigError(
+            f"model '{model}' is a sequence classifier ({classifier}: a score head of {labels} labels, no LM head); "
+            "this recipe trains a causal LM. Pass the causal LM it was built from, or train the classifier with "
+            "the llama3-70b-qlora recipe.")
 
 
 def _is_gated(err: BaseException) -> bool:

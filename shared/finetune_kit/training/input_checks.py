@@ -79,7 +79,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
     if getattr(args, "data", "") is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
-    model_config, shape = _model(args.model, args.max_seq_len)
+    model_config, shape = _model(args.model, args.max_seq_len, causal=num_labels is None)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _samples(args, "-")
     _attention(getattr(args, "attention", "auto"), "--attention")
@@ -317,8 +317,10 @@ def _samples(args, dash: str) -> None:
         load_rows(args.sample_prompts, flag=name("sample_prompts"))
 
 
-def _model(model: str, max_seq_len: int) -> tuple[object, ModelShape]:
+def _model(model: str, max_seq_len: int, causal: bool = True) -> tuple[object, ModelShape]:
     config = models.load_config(model)
+    if causal:
+        models.check_causal_lm(config, model)
     models.check_seq_len(max_seq_len, config, model)
     return config, from_config(config)
 
