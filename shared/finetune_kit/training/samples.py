@@ -5,7 +5,13 @@ of a run the final model answers ``--samples`` prompts (the first held-out rows,
 ``--sample-prompts FILE``), rendered with the chat template the run trained with, greedy, at most
 ``--sample-tokens`` new tokens each, stopping at the template's end of turn. They are printed, written to
 ``samples.jsonl`` in the run folder and kept in the run record; ``--sample-before`` answers the same prompts
-with the model as loaded, before the first step, so the change shows side by side.
+with the model as loaded, before the first step, so the change shows side by side (and, given the validation
+data, takes its loss then too).
+
+A verdict line follows (:func:`verdict`): how many answers take their reference's form (:func:`form`: the words
+with what varies from row to row masked, so "23 plus 67 is 80." has the form of "23 plus 67 is 90.") and how
+many are word for word, before and after, and the validation loss before and after. A tiny model learns the form
+of the answers long before their content: the line says which of the two a run reached.
 
 Where the weights are sharded (ZeRO-3, FSDP2) every rank generates the same batch with ``synced_gpus``: each
 forward gathers the layers' weights as training does, one layer at a time, so no rank ever holds the whole
@@ -16,6 +22,7 @@ generating (the packed-rows and sequence-parallel kernels expect training's inpu
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,24 +112,41 @@ def answer(accelerator, model, tokenizer, template, prompts: list[Prompt], max_n
     return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out.tolist()]
 
 
-def answers_before(accelerator, model, tokenizer, template, prompts: list[Prompt], args, resumed: bool):
-    """``--sample-before``: the answers of the model as loaded, before the first step (None when not asked, or
-    when the run resumed: its model is no longer the one loaded)."""
+@dataclass(frozen=True)
+class Before:
+    """The model as loaded: its answers to the sample prompts, and its validation loss when it was taken."""
+
+    answers: list[str]
+    eval_loss: float | None = None  # nats/token
+
+
+def answers_before(accelerator, model, tokenizer, template, prompts: list[Prompt], args, resumed: bool,
+                   eval_dl=None) -> Before | None:
+    """``--sample-before``: the answers of the model as loaded, before the first step, and its validation loss
+    over ``eval_dl`` when given (None when not asked, or when the run resumed: its model is no longer the one
+    loaded). Every rank calls it (a sharded model's forward is collective)."""
     if not (args.sample_before and prompts):
         return None
     if resumed:
         accelerator.print("--sample-before: skipped, the run resumed from a checkpoint (the answers before training "
                           "are those of its first launch)")
         return None
-    return _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "model as loaded")
+    answers = _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "model as loaded")
+    if eval_dl is None:
+        return Before(answers)
+    from finetune_kit.training.evaluation import evaluate_loss
+
+    return Before(answers, evaluate_loss(model, eval_dl, accelerator))
 
 
 def sample_answers(accelerator, model, tokenizer, template, prompts: list[Prompt], args, output: Path,
-                   before: list[str] | None = None) -> list[dict]:
-    """The final model's answers to ``prompts``, printed beside ``before`` and written to ``samples.jsonl``
-    (:func:`report`); the rows, for the run record."""
+                   before: Before | None = None, eval_loss: float | None = None) -> list[dict]:
+    """The final model's answers to ``prompts``, printed beside ``before``'s and written to ``samples.jsonl``,
+    then the verdict (:func:`report`; ``eval_loss``: the final validation loss); the rows, for the run record."""
     after = _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "final model")
-    return report(output, prompts, after, before)
+    losses = (before.eval_loss, eval_loss) if before and before.eval_loss is not None and eval_loss is not None \
+        else None
+    return report(output, prompts, after, before.answers if before else None, losses)
 
 
 def _timed(accelerator, model, tokenizer, template, prompts, max_new_tokens: int, what: str) -> list[str]:
@@ -134,9 +158,10 @@ def _timed(accelerator, model, tokenizer, template, prompts, max_new_tokens: int
     return answers
 
 
-def report(output: Path, prompts: list[Prompt], after: list[str], before: list[str] | None = None) -> list[dict]:
-    """Print the prompts with their answers (and the answers before training) and write ``samples.jsonl``
-    (rank 0); return the rows, for the run record."""
+def report(output: Path, prompts: list[Prompt], after: list[str], before: list[str] | None = None,
+           losses: tuple[float, float] | None = None) -> list[dict]:
+    """Print the prompts with their answers (and the answers before training), then :func:`verdict`, and write
+    ``samples.jsonl`` (rank 0); return the rows, for the run record."""
     rows = [{"example_id": p.example_id, "prompt": p.messages[-1]["content"] if p.messages else "",
              "reference": p.reference, "answer": a, **({"before": before[i]} if before else {})}
             for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
@@ -151,7 +176,40 @@ def report(output: Path, prompts: list[Prompt], after: list[str], before: list[s
         if "before" in row:
             print(f"  before:    {_short(row['before'])}")
         print(f"  after:     {_short(row['answer'])}\n")
+    line = verdict(rows, losses)
+    if line:
+        print(line)
     return rows
+
+
+def form(text: str) -> str:
+    """What an answer says with what varies from row to row masked: quoted words ('_'), numbers (#) and capitalised
+    words after the first (names: "The capital of _ is _"); lower case, spaces and the closing stop normalised."""
+    text = re.sub(r"-?\d+(\.\d+)?", "#", re.sub(r"'[^']*'", "'_'", " ".join(text.split()).rstrip(".!?")))
+    return " ".join(w if i == 0 or not w[:1].isupper() else "_" for i, w in enumerate(text.split(" "))).lower()
+
+
+def verdict(rows: list[dict], losses: tuple[float, float] | None = None) -> str | None:
+    """One line: how many answers take their reference's form (:func:`form`) and how many match it word for word,
+    after training and (rows with ``before``) before; the validation loss before -> after. None without
+    references (a --sample-prompts file without answers)."""
+    scored = [r for r in rows if r.get("reference")]
+    if not scored:
+        return None
+
+    def counts(key: str) -> tuple[int, int]:
+        same = [" ".join(r[key].split()).lower() == " ".join(r["reference"].split()).lower() for r in scored]
+        return sum(form(r[key]) == form(r["reference"]) for r in scored), sum(same)
+
+    shape, exact = counts("answer")
+    line = (f"verdict: {shape} of {len(scored)} held-out answers take the reference's form, {exact} word for word "
+            "(after training)")
+    if all("before" in r for r in scored):
+        before_shape, before_exact = counts("before")
+        line += f"; before training {before_shape} and {before_exact}"
+    if losses:
+        line += f"; validation loss {losses[0]:.3f} -> {losses[1]:.3f} nats/token"
+    return line
 
 
 def _short(text: str) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from tests.harness import write_jsonl
 
 
@@ -75,3 +77,32 @@ def test_report_writes_the_answers_beside_the_references(tmp_path, capsys):
     assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == rows
     printed = capsys.readouterr().out
     assert "reference: Lima." in printed and "before:    zzz" in printed and "after:     Lima, on the coast." in printed
+
+
+@pytest.mark.parametrize("reference, answer, same_form", [
+    ("50 plus 41 is 91.", "50 plus 41 is 81.", True),  # the content wrong, the form learnt
+    ("The opposite of 'win' is 'lose'.", "The opposite of 'win' is 'sad'.", True),
+    ("'bor' backwards is 'rob'.", "'bor' backwards is 'negnac'.", True),
+    ("The word 'bule' has 4 letters.", "The word 'bule' has 6 letters.", True),
+    ("The capital of Morocco is Rabat.", "The capital of Chile is Lima.", True),  # names are content too
+    ("50 plus 41 is 91.", "The capital of '.", False),  # the untrained demo's answer
+    ("The capital of Morocco is Rabat.", "The capital of Morocco", False),
+    ("The word 'bule' has 4 letters.", "The word 'bule' has 4", False),
+])
+def test_an_answers_form_masks_what_varies_from_row_to_row(reference, answer, same_form):
+    from finetune_kit.training.samples import form
+
+    assert (form(answer) == form(reference)) is same_form
+
+
+def test_the_verdict_counts_form_and_exact_answers_before_and_after_with_the_losses():
+    from finetune_kit.training.samples import verdict
+
+    rows = [{"reference": "50 plus 41 is 91.", "answer": "50 plus 41 is 91.", "before": "zzz"},
+            {"reference": "The capital of Peru is Lima.", "answer": "The capital of Chad is Rabat.", "before": "'"},
+            {"reference": "'tunnel' backwards is 'lennut'.", "answer": "The capital of '.", "before": ""}]
+    assert verdict(rows, (4.6391, 1.2345)) == (
+        "verdict: 2 of 3 held-out answers take the reference's form, 1 word for word (after training); before "
+        "training 0 and 0; validation loss 4.639 -> 1.234 nats/token")
+    assert verdict([{**r, "before": r["answer"]} for r in rows]).endswith("before training 2 and 1")
+    assert verdict([{"reference": None, "answer": "x"}]) is None  # prompts without references: nothing to judge
