@@ -30,14 +30,34 @@ def decoder_layers(model):
 
 
 def compile_layers(model, enabled: bool = True, **compile_kwargs) -> int:
-    """``torch.compile`` each decoder layer in place (``compile_kwargs`` go to ``torch.compile``);
-    returns how many were compiled (0 when not ``enabled``)."""
+    """``torch.compile`` each decoder layer in place (``compile_kwargs`` go to ``torch.compile``), into a cache
+    folder of this rank's own (:func:`cache_per_rank`); returns how many were compiled (0 when not ``enabled``)."""
     if not enabled:
         return 0
+    cache_per_rank()
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)
+
+
+def cache_per_rank() -> str | None:
+    """Point Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``, or its default) at a folder of this rank's own inside it,
+    ``rank<LOCAL_RANK>``, and return it (None outside a launch). The ranks of a node compile the same layer at
+    the same moment, into the same kernel library path: measured on CPU, one rank loaded the library another was
+    still writing and died (``ImportError: ...main.so: file too short``). Each rank's own folder is still reused
+    by the next launch."""
+    import os
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base = cache_dir()
+    own = base if os.path.basename(base) == f"rank{local}" else os.path.join(base, f"rank{local}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = own
+    return own
 
 
 def eager():

@@ -2,6 +2,8 @@
 gradients, the same parameter names (checkpoints and saves cannot tell), checkpointing kept.
 The Inductor backend itself runs in the recipe test (tests/recipes/test_llama3_8b_zero3.py)."""
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,18 @@ def test_passes_that_do_not_train_run_the_layers_eager(tiny_llama3):
     assert len(graphs) == 2  # the control: no_grad outside eager() compiles the layer again
     torch.testing.assert_close(inside, outside)
     torch._dynamo.reset()
+
+
+def test_each_rank_compiles_into_a_cache_folder_of_its_own(tiny_llama3, tmp_path, monkeypatch):
+    """Two ranks of a node compiling one layer at once into one folder: one loaded a kernel library the other was
+    still writing. A launch's ranks (LOCAL_RANK set) each get rank<N> inside the cache; a plain process keeps it."""
+    from finetune_kit.models.compiled_layers import cache_per_rank
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cache_per_rank() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    compile_layers(tiny_lm(tiny_llama3, checkpointing=False))  # compiles lazily: nothing runs yet
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor/rank1")
+    assert cache_per_rank() == str(tmp_path / "inductor/rank1")  # a second call keeps it
