@@ -36,8 +36,9 @@ ERROR_FILE_VAR = "FINETUNE_ERROR_FILE"  # where a bad input's message goes (set 
 # what was wrong.
 SILENT_RANK_DELAY_S = 2.0
 
-# What torch's gloo and NCCL backends say when a peer is gone or silent.
-BACKEND = re.compile(r"gloo|nccl", re.IGNORECASE)
+# What torch's gloo and NCCL backends say when a peer is gone or silent. gloo's pair can say it alone, naming
+# neither backend: "Application timeout caused pair closure" (a frozen peer, seen under ZeRO-3's all-gather).
+BACKEND = re.compile(r"gloo|nccl|pair closure", re.IGNORECASE)
 PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|timed out|timeout|"
                        r"error|aborted", re.IGNORECASE)
 

@@ -22,6 +22,10 @@ def test_a_peer_that_died_or_went_silent_is_explained(rank0):
     assert "relaunch the same command on every node" in closed and "Connection closed by peer" in closed
     silent = failures.peer_failure(RuntimeError(GLOO_TIMEOUT))
     assert "no answer from another rank within 20 s (FINETUNE_COLLECTIVE_TIMEOUT_S)" in silent
+    # gloo's pair alone, naming no backend (a frozen peer met in ZeRO-3's all-gather)
+    pair = failures.peer_failure(RuntimeError("Application timeout caused pair closure"))
+    assert "no answer from another rank within 20 s" in pair
+    assert pair.endswith("(Application timeout caused pair closure)")
 
 
 def test_other_errors_are_not_dressed_up_as_a_lost_peer(rank0):
