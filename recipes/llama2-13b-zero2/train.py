@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         loss = training.evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)
         evals = [{"step": trainer.state.global_step, "epoch": trainer.state.epoch, "eval_loss": loss}]
     samples = training.sample_answers(trainer.accelerator, trainer.model_wrapped, tokenizer, template, prompts, args,
-                                      checked.output, before)
+                                      checked, before, evals)
     training.finish(trainer.accelerator, checked, args, trainer.model_wrapped, trainer,
                     steps=trainer.state.global_step, total_steps=trainer.state.max_steps, split=split, evals=evals,
                     saved_to=model_dir, batch=hf_trainer.batch_shape(targs), training={"packing": args.pack},

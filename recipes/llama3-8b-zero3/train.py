@@ -112,8 +112,7 @@ def main(argv=None) -> None:
     checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
     start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
     meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
-    before = training.answers_before(accelerator, model, tokenizer, template, prompts, args, resumed=start.step > 0,
-                                     eval_dl=eval_dl)  # --sample-before: answers and validation loss as loaded
+    before = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
     model.train()
 
     # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
@@ -142,8 +141,7 @@ def main(argv=None) -> None:
         if args.save_model else None  # generation_config.json stops at the chat template's end of turn
     evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
         if eval_set else []
-    samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked.output, before,
-                                      evals[-1]["eval_loss"] if evals else None)  # and the verdict: what changed
+    samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked, before, evals)
     training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
                     split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
                     training={"packing": args.pack}, samples=samples)

@@ -139,14 +139,15 @@ def answers_before(accelerator, model, tokenizer, template, prompts: list[Prompt
     return Before(answers, evaluate_loss(model, eval_dl, accelerator))
 
 
-def sample_answers(accelerator, model, tokenizer, template, prompts: list[Prompt], args, output: Path,
-                   before: Before | None = None, eval_loss: float | None = None) -> list[dict]:
-    """The final model's answers to ``prompts``, printed beside ``before``'s and written to ``samples.jsonl``,
-    then the verdict (:func:`report`; ``eval_loss``: the final validation loss); the rows, for the run record."""
+def sample_answers(accelerator, model, tokenizer, template, prompts: list[Prompt], args, checked,
+                   before: Before | None = None, evals: list[dict] | None = None) -> list[dict]:
+    """The final model's answers to ``prompts``, printed beside ``before``'s and written to ``samples.jsonl`` in
+    ``checked.output``, then the verdict (:func:`report`; ``evals``: the run's validations, the last one final);
+    the rows, for the run record."""
     after = _timed(accelerator, model, tokenizer, template, prompts, args.sample_tokens, "final model")
-    losses = (before.eval_loss, eval_loss) if before and before.eval_loss is not None and eval_loss is not None \
-        else None
-    return report(output, prompts, after, before.answers if before else None, losses)
+    final = evals[-1].get("eval_loss") if evals else None
+    losses = (before.eval_loss, final) if before and before.eval_loss is not None and final is not None else None
+    return report(checked.output, prompts, after, before.answers if before else None, losses)
 
 
 def _timed(accelerator, model, tokenizer, template, prompts, max_new_tokens: int, what: str) -> list[str]:
