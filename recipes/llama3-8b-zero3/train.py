@@ -122,7 +122,7 @@ def main(argv=None) -> None:
             with accelerator.accumulate(model):
                 with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
                     # its token losses summed over the whole step's labelled tokens: one mean however it is split
-                    loss = model(**batch, num_items_in_batch=step.labelled).loss
+                    loss = model(**data.model_inputs(batch), num_items_in_batch=step.labelled).loss
                 accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
                 if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both give the norm
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))

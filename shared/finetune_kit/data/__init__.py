@@ -5,7 +5,8 @@ names a recipe needs are importable from here."""
 
 from importlib import import_module
 
-_LAZY = {**dict.fromkeys(("PackedCollator", "PadCollator", "RowRecorder", "pack"), "finetune_kit.data.batching"),
+_LAZY = {**dict.fromkeys(("PackedCollator", "PadCollator", "RowRecorder", "model_inputs", "pack"),
+                         "finetune_kit.data.batching"),
          **dict.fromkeys(("IGNORE_INDEX", "SAMPLE_INSTRUCTIONS", "DataCounts", "holdout_split", "load_rows",
                           "tokenize_conversation", "tokenize_rows", "heldout_rows"), "finetune_kit.data.instructions"),
          **dict.fromkeys(("ChatTemplate", "chat_template", "end_of_turn_ids"), "finetune_kit.data.templates")}

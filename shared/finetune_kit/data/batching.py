@@ -1,7 +1,8 @@
 """Batches of tokenised examples: padded, or packed without attention across examples.
 
 - :class:`PadCollator`: one example per row, right-padded; ``attention_mask`` marks the
-  real tokens.
+  real tokens. The forward takes :func:`model_inputs` of it: a causal model needs no mask for
+  padding that comes after every real token.
 - :func:`pack` + :class:`PackedCollator`: several whole examples per row of at most
   ``max_seq_len`` tokens, and a micro-batch's rows laid end to end in one row of shape
   ``(1, tokens)`` -- no padding at all. ``position_ids`` restart at 0 for every example and
@@ -68,6 +69,19 @@ def padded_length(examples: Sequence[dict], multiple: int | None) -> int:
 
 def pad_right(values: Sequence[int], length: int, fill: int) -> list[int]:
     return list(values) + [fill] * (length - len(values))
+
+
+def model_inputs(batch: dict) -> dict:
+    """``batch`` as a causal model's forward takes it: a right-padded batch without its ``attention_mask``.
+
+    Under causal attention no real token attends to the padding after it, and the padding's labels are
+    ignored, so dropping the mask changes no loss. With it, transformers builds a dense micro-batch x T x T
+    mask for SDPA (64 GiB at 256K tokens: an out-of-memory that is the mask's, not the model's) and SDPA
+    leaves the flash kernel for a slower one. A mask with padding before a real token (left padding) is kept."""
+    mask = batch.get("attention_mask")
+    if mask is None or not bool((mask.cummin(dim=-1).values == mask).all()):
+        return batch
+    return {key: value for key, value in batch.items() if key != "attention_mask"}
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from finetune_kit.data.batching import model_inputs
 from finetune_kit.data.instructions import IGNORE_INDEX
 from finetune_kit.models.compiled_layers import eager
 
@@ -35,7 +36,7 @@ def evaluate_loss(model, dataloader, accelerator) -> float:
     with eager():  # compiled layers (--compile): not compiled again for no_grad
         for batch in dataloader:
             batch.pop("example_ids", None)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(**model_inputs({k: batch[k] for k in ("input_ids", "attention_mask")})).logits
             sums, counts = token_loss_sums(logits, batch["labels"])
             sums, counts = accelerator.gather_for_metrics((sums, counts))
             total += sums.double().sum().cpu()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune_kit.data import IGNORE_INDEX, PackedCollator, PadCollator, instructions, pack, templates
+from finetune_kit.data import IGNORE_INDEX, PackedCollator, PadCollator, instructions, model_inputs, pack, templates
 from finetune_kit.metering.throughput import token_spans
 from finetune_kit.models.loading import load_tokenizer
 
@@ -99,3 +99,62 @@ def test_without_restarted_positions_examples_would_see_each_other(model_and_exa
     crossed = token_losses(model, batch)[start:start + len(examples[1]["input_ids"]) - 1].sum()
     with pytest.raises(AssertionError):  # caught at the tolerance the check above uses
         torch.testing.assert_close(crossed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_model_inputs_drop_a_right_padded_mask_and_keep_any_other():
+    batch = PadCollator(pad_token_id=0, pad_to_multiple_of=8)([{"input_ids": [5, 6, 7], "labels": [5, 6, 7],
+                                                                "example_ids": [0]}])
+    assert "attention_mask" not in model_inputs(batch) and model_inputs(batch)["input_ids"] is batch["input_ids"]
+    left = {**batch, "attention_mask": batch["attention_mask"].flip(-1)}  # padding before the real tokens
+    assert model_inputs(left) is left
+    packed = PackedCollator()(pack([{"input_ids": [1, 2], "labels": [1, 2], "example_ids": [0]}], 8))
+    assert model_inputs(packed) is packed
+
+
+def sdpa_masks(model, inputs) -> list:
+    """The ``attn_mask`` SDPA received in each layer of one forward."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    seen, real = [], sdpa.torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        seen.append(attn_mask)
+        return real(*args, attn_mask=attn_mask, **kwargs)
+
+    sdpa.torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        sdpa.torch.nn.functional.scaled_dot_product_attention = real
+    return seen
+
+
+def test_a_right_padded_batch_without_its_mask_has_the_same_losses_and_no_dense_mask(model_and_examples):
+    """Dropping the mask (``model_inputs``) changes no real token's loss, and SDPA gets no T x T mask:
+    with it, a 512K-token row's mask alone would be 256 GiB."""
+    model, examples = model_and_examples
+    batch = PadCollator(0, pad_to_multiple_of=64)(examples[:2])
+    assert not batch["attention_mask"].all()  # padded
+    inputs = {k: v for k, v in batch.items() if k != "example_ids"}
+    with_mask = token_losses(model, {**batch, "input_ids": batch["input_ids"][:1], "labels": batch["labels"][:1],
+                                     "attention_mask": batch["attention_mask"][:1]})
+    without = token_losses(model, {k: v[:1] for k, v in model_inputs(inputs).items()})
+    torch.testing.assert_close(without, with_mask, rtol=1e-5, atol=1e-5)
+    assert all(m is None for m in sdpa_masks(model, model_inputs(inputs)))
+    assert all(m is not None and m.shape[-2:] == (64, 64) for m in sdpa_masks(model, inputs))  # the dense mask
+
+
+def test_a_left_padded_batch_needs_its_mask(model_and_examples):
+    """The check above can fail: where padding comes first, real tokens would attend to it without the mask."""
+    model, examples = model_and_examples
+    batch = PadCollator(0, pad_to_multiple_of=64)(examples[:1])
+    flip = {key: batch[key].flip(-1) for key in ("input_ids", "attention_mask", "labels")}  # pads first
+    ids, labels = flip["input_ids"], flip["labels"]
+    n = int(batch["attention_mask"].sum())
+    ids[0, -n:], labels[0, -n:] = batch["input_ids"][0, :n], batch["labels"][0, :n]  # the row, in order, at the end
+    masked = token_losses(model, flip)
+    unmasked = token_losses(model, {"input_ids": ids, "labels": labels})
+    assert model_inputs(flip) is flip
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-5)
