@@ -123,7 +123,7 @@ VARIANTS += FP8_VARIANTS
 K = 1024
 LOSS_CHUNK_TOKENS = 4 * K  # tokens per loss chunk: one chunk's fp32 logits, 4,096 x 128,256 x 4 B = 2 GiB
 LONG_STEPS = 3  # optimizer steps of a row up to 128K: one warm-up, two measured
-LONGEST_STEPS = 2  # past 128K (minutes a step): one warm-up, one measured; enough for "fits" and the peak
+LONGEST_STEPS = 1  # past 128K (a minute or more a step): one step, its warm-up measured with it; enough for the peak
 LONG_NOTE = (f"measured at {cases.EVERY_CASE[cases.LONG].layers} decoder layers; the full depth's peak GPU memory "
              "is the planner's prediction from the measured per-layer figure: each further layer adds its bf16 weights "
              "and gradients (0.81 GiB) and, with checkpoints on the GPU, 8 KiB per token (predicted)")
@@ -135,14 +135,15 @@ def long_row(name: str, seq_len: int, lever: str, *, tiled_mlp: bool = True, off
              pack: bool = False, probe: str = "") -> Variant:
     """A long-context row: the loss in chunks of LOSS_CHUNK_TOKENS, checkpointing on (the recipe's
     default), one warm-up step left out of the record's medians; rows past 128K on the model whose
-    positions reach 512K."""
-    flags = ["--loss-chunks", str(seq_len // LOSS_CHUNK_TOKENS), "--meter-warmup-steps", "1",
+    positions reach 512K, one step measured whole."""
+    extended = seq_len > cases.positions(cases.EVERY_CASE[cases.LONG])
+    steps = LONGEST_STEPS if extended else LONG_STEPS
+    flags = ["--loss-chunks", str(seq_len // LOSS_CHUNK_TOKENS), "--meter-warmup-steps", str(min(1, steps - 1)),
              *(["--tiled-mlp"] if tiled_mlp else []), *(["--offload-activations"] if offload else []),
              *(["--pack"] if pack else [])]
-    extended = seq_len > cases.positions(cases.EVERY_CASE[cases.LONG])
     return Variant(name, cases.LONG_EXTENDED if extended else cases.LONG, 1, 1, seq_len=seq_len, flags=tuple(flags),
                    lever=lever, data="long-documents" if pack else None, probe=probe,
-                   steps=LONGEST_STEPS if extended else LONG_STEPS, note=EXTENDED_NOTE if extended else LONG_NOTE)
+                   steps=steps, note=EXTENDED_NOTE if extended else LONG_NOTE)
 
 
 LONGEST = "8b-longest"  # the probe: tiled MLP, checkpoints in host memory, chunked loss, micro-batch 1
@@ -280,11 +281,13 @@ def batches(variants: list[Variant], budget_s: float) -> list[list[Variant]]:
 
 
 def probe_stopped(variant: Variant, rows: list[dict]) -> str | None:
-    """Why ``variant`` is not run: an earlier (shorter) row of its probe ran out of GPU memory, so a
-    longer one would too; None to run it."""
+    """Why ``variant`` is not run: a row of its probe no longer than it ran out of GPU memory, so this
+    one would too; None to run it. A shorter row after a longer one that ran out still runs: a command
+    may try the longest first and bracket the limit after."""
     for row in rows:
         earlier = BY_NAME.get(row.get("run", ""))
-        if variant.probe and earlier and earlier.probe == variant.probe and row["status"] == "out of memory":
+        if (variant.probe and earlier and earlier.probe == variant.probe and earlier.seq_len <= variant.seq_len
+                and row["status"] == "out of memory"):
             return f"{earlier.name} ({earlier.seq_len:,} tokens) ran out of GPU memory"
     return None
 
