@@ -74,4 +74,7 @@ def recipe_main(request, monkeypatch):
     monkeypatch.chdir(recipe)
     for key, value in getattr(request.module, "LAUNCH_ENV", {}).items():
         monkeypatch.setenv(key, value)
+    # a long-context launch sets the CUDA allocator's variable in its own process: here, the test's, undone after it
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # remembers the value before, restored after the test
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     return load_script(recipe / "train.py").main

@@ -76,6 +76,7 @@ class Training(_Strict):
     sequence_parallel: int = 1  # ranks that share each sequence (Ulysses); the global batch counts sequences
     tiled_mlp: bool = False  # each MLP a slice of the tokens at a time (DeepSpeed TiledMLP)
     fp8: str = "none"  # the linear layers' matmuls in float8 (torchao): "tensorwise" | "rowwise" scales
+    cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF as the ranks had it ("": PyTorch's default allocator)
 
 
 class Measured(_Strict):

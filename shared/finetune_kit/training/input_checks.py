@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError, DataError
-from finetune_kit.launch import config_checks, cuda_ops, env, fsdp, nvme
+from finetune_kit.launch import config_checks, cuda_allocator, cuda_ops, env, fsdp, nvme
 from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
@@ -79,6 +80,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
     if getattr(args, "data", "") is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
+    if (allocator := cuda_allocator.use_expandable_segments(args)) and env.is_main_rank():  # before CUDA starts
+        print(allocator, file=sys.stderr)
     model_config, shape = _model(args.model, args.max_seq_len, causal=num_labels is None)
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _samples(args, "-")
@@ -128,7 +131,10 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                            loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
                            offload_activations=args.offload_activations,
                            sequence_parallel=getattr(args, "sequence_parallel", 1),
-                           tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check),
+                           tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check,
+                           # the causal recipes' forward takes no mask (data.model_inputs): SDPA keeps k, v at their
+                           # own heads; the classifier's padded rows reach it with theirs
+                           kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable()),
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model,

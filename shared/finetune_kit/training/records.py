@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune_kit import output_lock, outputs
-from finetune_kit.launch import env
+from finetune_kit.launch import cuda_allocator, env
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ def batch_shape(args) -> dict:
             "compiled": bool(getattr(args, "compile", False)),
             **({"sequence_parallel": args.sequence_parallel} if getattr(args, "sequence_parallel", 1) > 1 else {}),
             **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {}),
-            **({"fp8": args.fp8} if getattr(args, "fp8", "none") != "none" else {})}
+            **({"fp8": args.fp8} if getattr(args, "fp8", "none") != "none" else {}),
+            **({"cuda_alloc_conf": allocator} if (allocator := cuda_allocator.setting()) else {})}
 
 
 def example_ids(dataset) -> list[int]:
