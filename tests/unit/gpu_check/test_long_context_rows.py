@@ -100,7 +100,7 @@ def test_long_rows_fit_the_commands_and_take_longer_the_longer_the_sequence():
     assert [v for g in groups for v in g] == ablation.VARIANTS
     assert all(ablation.setup_seconds(g) + sum(map(ablation.expected_seconds, g)) <= COMMAND_S for g in groups)
     probe_s = [ablation.expected_seconds(v) for v in PROBE]
-    launch = ablation.OFFLOAD_LAUNCH_SECONDS  # past 128K one step a row, up to it three: attention grows with the length
+    launch = ablation.OFFLOAD_LAUNCH_SECONDS  # past 128K one step a row, up to it three; attention grows with length
     assert probe_s == sorted(probe_s) and probe_s[-1] - launch > 2 * (probe_s[2] - launch)
     # tiled MLP costs a second MLP forward; checkpoints in host memory cost no FLOPs
     tiled, plain = (ablation.step_flops_per_token("llama3.1-8b", 2, 128 * K, t)["matmul"] for t in (True, False))
@@ -162,20 +162,27 @@ def test_a_row_out_of_gpu_memory_is_a_row_with_the_message(tmp_path):
     assert plain["status"] == "failed" and "oom" not in plain
 
 
-def test_the_probe_records_its_first_out_of_memory_and_runs_nothing_longer(monkeypatch, tmp_path):
-    """The whole ablation loop with the recipe runs replaced: 128K fits, 256K runs out of GPU memory,
-    512K is not run; the command passes (running out is what the probe measures)."""
+def fake_recipe_runs(monkeypatch, *, out_of_memory_above: int) -> list[str]:
+    """The ablation loop's recipe runs replaced: rows longer than ``out_of_memory_above`` tokens run out of GPU memory,
+    the others finish; the names of the rows run, in order, are appended to the list returned."""
     ran = []
 
     def run_case(case, root, out, model, *, name, seq_len, **kwargs):
         ran.append(name)
-        status = {"status": "out of memory", "oom": "CUDA out of memory"} if seq_len > 128 * K else \
+        status = {"status": "out of memory", "oom": "CUDA out of memory"} if seq_len > out_of_memory_above else \
             {"status": "ok", "tokens_per_s_per_device": 1000.0}
         return {"run": name, "case": case.name, "seq_len": seq_len, "micro_batch": 1, "grad_accum": 1, **status}
 
     monkeypatch.setattr(runner, "run_case", run_case)
     monkeypatch.setattr(runner, "build_models", lambda specs, out, tiny: {spec: out / "m" for spec in specs})
     monkeypatch.setattr(runner.host_check, "problems", lambda *args, **kwargs: [])
+    return ran
+
+
+def test_the_probe_records_its_first_out_of_memory_and_runs_nothing_longer(monkeypatch, tmp_path):
+    """The whole ablation loop with the recipe runs replaced: 128K fits, 256K runs out of GPU memory,
+    512K is not run; the command passes (running out is what the probe measures)."""
+    ran = fake_recipe_runs(monkeypatch, out_of_memory_above=128 * K)
     names = [v.name for v in PROBE[2:]]
     code = runner.main(["--ablation", "--variants", ",".join(names), "--tiny", "--out", str(tmp_path),
                         "--root", str(REPO)])
@@ -186,20 +193,26 @@ def test_the_probe_records_its_first_out_of_memory_and_runs_nothing_longer(monke
     assert all(r["note"] == v.note and r["lever"] == v.lever for r, v in zip(rows, PROBE[2:], strict=True))
 
 
+def test_a_row_names_the_allocator_its_ranks_run_with(tmp_path, monkeypatch):
+    """The recipe sets expandable segments at long context where the variable is unset; a row says so, and says the
+    user's own value where one is exported."""
+    from finetune_kit.launch.cuda_allocator import EXPANDABLE, VARIABLE
+
+    monkeypatch.delenv(VARIABLE, raising=False)
+    run = dict(layers=2, steps=1, seq_len=64, micro_batch=1)
+    long = runner.run_case(_stub_case("long", "exit 1"), REPO, tmp_path, tmp_path / "m", extra=("--tiled-mlp",), **run)
+    short = runner.run_case(dataclasses.replace(_stub_case("short", "exit 1"), flags=()), REPO, tmp_path,
+                            tmp_path / "m", **run)
+    monkeypatch.setenv(VARIABLE, "max_split_size_mb:256")
+    own = runner.run_case(_stub_case("own", "exit 1"), REPO, tmp_path, tmp_path / "m", extra=("--tiled-mlp",), **run)
+    assert (long["cuda_alloc_conf"], "cuda_alloc_conf" in short, own["cuda_alloc_conf"]) == (
+        EXPANDABLE, False, "max_split_size_mb:256")
+
+
 def test_a_shorter_probe_row_after_a_longer_one_out_of_memory_still_runs(monkeypatch, tmp_path):
     """Longest first: 512K runs out of GPU memory, then 256K brackets the limit; 512K after a 256K
     out-of-memory would not run."""
-    ran = []
-
-    def run_case(case, root, out, model, *, name, seq_len, **kwargs):
-        ran.append(name)
-        status = {"status": "out of memory", "oom": "CUDA out of memory"} if seq_len > 256 * K else \
-            {"status": "ok", "tokens_per_s_per_device": 1000.0}
-        return {"run": name, "case": case.name, "seq_len": seq_len, "micro_batch": 1, "grad_accum": 1, **status}
-
-    monkeypatch.setattr(runner, "run_case", run_case)
-    monkeypatch.setattr(runner, "build_models", lambda specs, out, tiny: {spec: out / "m" for spec in specs})
-    monkeypatch.setattr(runner.host_check, "problems", lambda *args, **kwargs: [])
+    ran = fake_recipe_runs(monkeypatch, out_of_memory_above=256 * K)
     names = ["8b-longest-512k", "8b-longest-256k"]
     assert runner.main(["--ablation", "--variants", ",".join(names), "--tiny", "--out", str(tmp_path),
                         "--root", str(REPO)]) == 0

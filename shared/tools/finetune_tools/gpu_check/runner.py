@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from finetune_kit import command_line
+from finetune_kit.launch import cuda_allocator
 from finetune_tools.gpu_check import ablation, host_check
 from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, cpu_adam, recipe_flags
 from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
@@ -113,6 +114,12 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
         row = {"run": name, **row}
     if extra:
         row["extra_flags"] = list(extra)
+    flags = [*case.flags, *extra]
+    sp = int(flags[flags.index("--sequence-parallel") + 1]) if "--sequence-parallel" in flags else 1
+    levers = cuda_allocator.long_context(tiled_mlp="--tiled-mlp" in flags, sequence_parallel=sp,
+                                         offload_activations="--offload-activations" in flags)
+    if allocator := cuda_allocator.for_launch(levers):  # what the recipe's ranks will run with
+        row["cuda_alloc_conf"] = allocator
     kind = data or case.data
     if kind != case.data:
         row["data"] = kind
