@@ -103,7 +103,9 @@ def long_context_table(recipe_dir: Path) -> str:
     note = (f"Predicted by the memory planner (`make plan RECIPE={recipe_dir.name} MODEL=llama3.1-8b GPU=h100 GPUS=8 "
             "SP=8 SEQ=max` searches the longest that fits), micro-batch 1, every layer checkpointed, the attention "
             "of FlashAttention's varlen kernel (packed rows). GiB per GPU and host RAM per node as in the table "
-            "above. Not measured on a GPU yet.")
+            "above; the allocator with expandable segments, as the recipe sets it with these flags. The planner's "
+            "long-context terms were fitted on one H100 at 128K and 256K tokens "
+            "([results/long-context.md](../../results/long-context.md)); these setups themselves are not measured.")
     header = ["setup", "config", "tokens per sequence", "flags", "activations", "total / GPU", "host RAM / node",
               "verdict"]
     return note + "\n\n" + markdown_table(header, rows)
