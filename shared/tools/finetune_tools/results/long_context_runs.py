@@ -136,6 +136,19 @@ def _root(results: Path) -> Path:
     return results.parent if is_root(results.parent) else find_root()
 
 
+def on_one_gpu(rows: list[Measured]) -> str:
+    """The ALST table's cell for one GPU: the longest length that fitted and the shortest that ran out, as measured."""
+    fitted = [m.row["seq_len"] for m in rows if m.row["status"] == "ok" and m.setup.tiled_mlp]
+    out = [m.row["seq_len"] for m in rows if m.row["status"] == "out of memory"]
+    if not fitted and not out:
+        return "not measured"
+    layers = rows[0].shape.num_hidden_layers
+    said = [f"{max(fitted) // 1024:,}K fits" if fitted else "", f"{min(out) // 1024:,}K runs out" if out else ""]
+    return (f"{', '.join(t for t in said if t)} (both levers, {layers} of 32 layers, parameters on the GPU: "
+            "[below](#measured-on-one-h100))")
+
+
 def page(results: Path) -> str:
     """``results/long-context.md``: the planner against ALST's published lengths, then the rows measured here."""
-    return "\n".join([long_context.render(results), *render(results)])
+    rows = measured(results)
+    return "\n".join([long_context.render(results, {1: on_one_gpu(rows)} if rows else None), *render(results)])
