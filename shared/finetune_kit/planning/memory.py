@@ -257,6 +257,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
     12.0·V. With ``loss_chunks`` (the chunked loss of
     ``models.chunked_loss``) only one chunk's tokens hold them at a time, in the forward and in the
     recomputing backward. Sequence classification has num_labels logits instead.
+    The rebuilt layer's backward also holds the gradients in flight (``BACKWARD_BYTES_PER_H`` per hidden unit
+    per token, fitted on one H100 at 128K-256K tokens).
     Peak = kept layers + final norm/head input + max(loss, one rebuilt layer) + all-to-all buffers.
     LoRA/QLoRA are counted like full fine-tuning (the adapters' own activations are rank-sized).
 
