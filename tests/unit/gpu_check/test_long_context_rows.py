@@ -100,7 +100,7 @@ def test_long_rows_fit_the_commands_and_take_longer_the_longer_the_sequence():
     assert [v for g in groups for v in g] == ablation.VARIANTS
     assert all(ablation.setup_seconds(g) + sum(map(ablation.expected_seconds, g)) <= COMMAND_S for g in groups)
     probe_s = [ablation.expected_seconds(v) for v in PROBE]
-    launch = ablation.OFFLOAD_LAUNCH_SECONDS  # past 128K one step a row, up to it three; attention grows with length
+    launch = ablation.LONG_LAUNCH_SECONDS  # past 128K one step a row, up to it three; attention grows with length
     assert probe_s == sorted(probe_s) and probe_s[-1] - launch > 2 * (probe_s[2] - launch)
     # tiled MLP costs a second MLP forward; checkpoints in host memory cost no FLOPs
     tiled, plain = (ablation.step_flops_per_token("llama3.1-8b", 2, 128 * K, t)["matmul"] for t in (True, False))

@@ -9,7 +9,7 @@ among the levers here: they matter across GPUs.
 The long-context rows (:data:`LONG_VARIANTS`) run the 8B shape at 32K-512K tokens per sequence with
 sequence-parallel size 1: where the tiled MLP and checkpoints in host memory pay off, and the longest
 sequence one GPU holds (a probe that stops at its first out-of-memory row, recorded as a result).
-Their times are predicted (:func:`long_context_seconds`), not measured.
+Their times are predicted (:func:`long_context_seconds`), their launch measured at long context.
 
 The fp8 rows (:data:`FP8_VARIANTS`) run the 8B shape at the sizes of the FSDP2 rows with torchao's float8
 linear layers (``--fp8 tensorwise`` or ``rowwise``), each beside a bf16 twin of the same engine and compile
@@ -183,11 +183,13 @@ GPU_ADAM_SETUP_PARAMS = (check_shape("llama3-8b", 2).total_params() + check_shap
 TIMED_LIKE = {cases.FP8_FSDP2: "llama3-8b-zero3-fsdp2"}
 
 
-# What a long-context row's time is predicted from (one H100, none of it measured at long context yet):
-# the launch and the optimizer step are the offload case's measured figures (results/: its 122 s are
+# What a long-context row's time is predicted from (one H100): the launch measured at long context
+# (LONG_LAUNCH_SECONDS), the optimizer step the offload case's measured figure (results/: its 122 s are
 # 8 steps of 2.3 s per optimizer step, CPU Adam over 2.80e9 parameters, plus 0.51 s per 8,192-token
-# micro-batch, and 88 s of launch, DeepSpeed set-up and data); the rates are predicted.
-OFFLOAD_LAUNCH_SECONDS = 88  # measured on one H100 (see above)
+# micro-batch, and 88 s of launch, DeepSpeed set-up and data at 8 layers); the rates are predicted.
+# A long-context row's own launch (2 layers) measured on one H100 (2026-11-27, results/runs/long-context/): its
+# seconds outside the steps, less the data's predicted writing, were 44-56 s in the four rows that finished
+LONG_LAUNCH_SECONDS = 50
 CPU_ADAM_NS_PER_PARAM = 0.81  # measured on one H100: 2.28 s per optimizer step over 2.80e9 parameters
 MATMUL_TFLOPS = 400  # predicted: the 304 model TFLOP/s measured at 4K (results/) plus the recomputed forward
 ATTENTION_TFLOPS = 250  # predicted: flash attention's causal forward and backward at head dimension 128
@@ -218,7 +220,7 @@ def long_context_seconds(variant: Variant) -> float:
     compute = tokens * (flops["matmul"] / (MATMUL_TFLOPS * 1e12) + flops["attention"] / (ATTENTION_TFLOPS * 1e12))
     adam = check_shape(case.arch, case.layers).total_params() * CPU_ADAM_NS_PER_PARAM * 1e-9
     data_rows = variant.steps * variant.micro_batch * variant.grad_accum * 2 + 8  # as runner.run_case writes
-    return OFFLOAD_LAUNCH_SECONDS + data_rows * variant.seq_len / DATA_TOKENS_PER_S + variant.steps * (compute + adam)
+    return LONG_LAUNCH_SECONDS + data_rows * variant.seq_len / DATA_TOKENS_PER_S + variant.steps * (compute + adam)
 
 
 def expected_seconds(variant: Variant) -> float:
