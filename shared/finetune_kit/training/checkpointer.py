@@ -30,6 +30,9 @@ class Checkpointer:
         self.accelerator, self.checked = accelerator, checked
         self.every, self.keep = args.save_every, args.keep_checkpoints
         self.global_batch = global_batch(args, accelerator.num_processes)
+        # what the data position counts in: micro-batches of this size per rank reading its own rows
+        self.data_ranks = accelerator.num_processes // getattr(args, "sequence_parallel", 1)
+        self.micro_batch = args.micro_batch_size
         if accelerator.is_main_process:
             output_lock.acquire(checked.output)
 
@@ -42,7 +45,6 @@ class Checkpointer:
             return Position()
         if c.reshaping() and c.fsdp is not None:  # torch.distributed.checkpoint reshards on load
             state = load_checkpoint(acc, c.resume_from, **load_kwargs)
-            state = resharding.reshaped_position(state, resharding.saved_world(c.resume_from), acc.num_processes)
         elif c.reshaping():
             saved = resharding.saved_world(c.resume_from)
             if acc.is_main_process:
@@ -51,7 +53,7 @@ class Checkpointer:
                 resharding.to_universal(c.resume_from)
             acc.wait_for_everyone()
             load_checkpoint(acc, resharding.universal_folder(c.resume_from), state=False, **load_kwargs)
-            state = resharding.reshaped_position(read_state(c.resume_from), saved, acc.num_processes)
+            state = read_state(c.resume_from)
         else:
             state = load_checkpoint(acc, c.resume_from, **load_kwargs)
             if "offload_optimizer" in nvme.nvme_paths(c.ds_config):  # what DeepSpeed's NVMe load leaves out
@@ -60,6 +62,8 @@ class Checkpointer:
                 restore_nvme_optimizer(acc.deepspeed_engine_wrapped.engine, c.resume_from)
         if c.fsdp is None:  # DeepSpeed's native CPU Adam: its beta**t as the uninterrupted run has it
             adam_resume.replay_bias_correction(acc.deepspeed_engine_wrapped.engine.optimizer)
+        # another number of data ranks (ranks, or the sequence-parallel size) or micro-batch counts the position anew
+        state = resharding.reshaped_position(state, data_ranks=self.data_ranks, micro_batch=self.micro_batch)
         position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
         acc.print(f"resumed from {c.resume_from} at step {position.step}")
         return position
@@ -72,7 +76,7 @@ class Checkpointer:
             return None
         acc = self.accelerator
         state = {**step.after.as_dict(), "world_size": acc.num_processes, "run": self.checked.identity,
-                 "global_batch": self.global_batch}
+                 "global_batch": self.global_batch, "data_ranks": self.data_ranks, "micro_batch": self.micro_batch}
         path = save_checkpoint(acc, self.checked.output, step.number, state, keep=self.keep,
                                estimate=self.checked.checkpoint_estimate)
         acc.print(f"\ncheckpoint saved: {path}")

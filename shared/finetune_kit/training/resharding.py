@@ -63,11 +63,14 @@ def to_universal(path: Path, workers: int = 4) -> Path:
     return out
 
 
-def reshaped_position(state: dict, saved: int, world: int) -> dict:
-    """The data position of a checkpoint saved on ``saved`` ranks, counted in this launch's
-    micro-batches per rank (the same examples consumed, the global batch being the same)."""
-    consumed = state["batch_in_epoch"] * saved  # micro-batches of all ranks
-    return {**state, "batch_in_epoch": consumed // world}
+def reshaped_position(state: dict, *, data_ranks: int, micro_batch: int) -> dict:
+    """The data position of a checkpoint, counted in this launch's micro-batches per data rank (the same sequences
+    consumed, the global batch being the same). A checkpoint says which ``data_ranks`` (ranks reading different rows:
+    the ranks of a sequence-parallel group read the same) and ``micro_batch`` counted its position; one saved before it
+    said so counted every rank a data rank and had this launch's micro-batch."""
+    saved_ranks = state.get("data_ranks", state.get("world_size", data_ranks))
+    consumed = state["batch_in_epoch"] * saved_ranks * state.get("micro_batch", micro_batch)  # sequences of all ranks
+    return {**state, "batch_in_epoch": consumed // (data_ranks * micro_batch)}
 
 
 def check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | None = None) -> None:

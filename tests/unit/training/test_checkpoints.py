@@ -189,10 +189,21 @@ def test_resume_refuses_a_checkpoint_of_another_model_or_adapter(tmp_path):
 
 # ---- another number of ranks ----
 
-def test_the_data_position_is_counted_in_examples_across_rank_counts():
-    state = {"step": 4, "epoch": 1, "batch_in_epoch": 8}  # 2 ranks x 8 micro-batches
-    assert resharding.reshaped_position(state, saved=2, world=1) == {**state, "batch_in_epoch": 16}
-    assert resharding.reshaped_position(state, saved=2, world=4) == {**state, "batch_in_epoch": 4}
+def test_the_data_position_is_counted_in_sequences_across_rank_counts():
+    state = {"step": 4, "epoch": 1, "batch_in_epoch": 8, "world_size": 2}  # 2 ranks x 8 micro-batches, before
+    assert resharding.reshaped_position(state, data_ranks=1, micro_batch=4) == {**state, "batch_in_epoch": 16}
+    assert resharding.reshaped_position(state, data_ranks=4, micro_batch=4) == {**state, "batch_in_epoch": 4}
+
+
+def test_ranks_sharing_sequences_are_one_data_rank():
+    """Saved by 2 ranks sharing each sequence (one data rank, micro-batch 8) after 2 micro-batches: on one rank
+    with micro-batch 8 the same 2; on 2 ranks of their own with micro-batch 4, 2 each; counting every rank as a data
+    rank (as before) would skip to micro-batch 4 on one rank."""
+    state = {"step": 2, "epoch": 0, "batch_in_epoch": 2, "world_size": 2, "data_ranks": 1, "micro_batch": 8}
+    assert resharding.reshaped_position(state, data_ranks=1, micro_batch=8)["batch_in_epoch"] == 2
+    assert resharding.reshaped_position(state, data_ranks=2, micro_batch=4)["batch_in_epoch"] == 2
+    assert resharding.reshaped_position({k: v for k, v in state.items() if k not in ("data_ranks", "micro_batch")},
+                                        data_ranks=1, micro_batch=8)["batch_in_epoch"] == 4
 
 
 @pytest.mark.parametrize("micro, accum, pattern", [
