@@ -48,6 +48,7 @@ from tests.harness import (
     free_port,
     killed_whole_after,
     launch_env,
+    launch_nodes,
     load_script,
     losses,
     make_target,
@@ -67,6 +68,7 @@ pytestmark = pytest.mark.recipe
 RECIPE = REPO / "recipes/llama3-8b-zero3"
 GOLDEN = REPO / "tests/golden/llama3-8b-zero3.json"
 CHAT_GOLDEN = REPO / "tests/golden/llama3-8b-zero3-chat-packed.json"
+PACKED_GOLDEN = REPO / "tests/golden/llama3-8b-zero3-packed.json"  # one rank, 8 packed sequences a step
 LAUNCH_ENV = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/zero3.json"}  # what accelerate launch passes
 STEPS, SAVE_EVERY = 8, 4
 
@@ -727,40 +729,74 @@ def test_an_fp8_run_resumes_exactly_and_saves_a_plain_bf16_model(fp8_run, run, r
 # ---- long context: ranks that share each sequence (Ulysses, DeepSpeed ALST) ----
 
 SEQUENCE_PARALLEL = ("--sequence-parallel", "2")
-SAVE_EACH_STEP = ("--save-every", "1", "--keep-checkpoints", "0")  # the padded run's checkpoints, resumed below
+SAVE_EACH_STEP = ("--save-every", "1", "--keep-checkpoints", "0")  # the cross-node run's checkpoints, resumed below
+NODES_CONFIG = "configs/zero3-ulysses-nodes.yaml"
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed-tiled-mlp"])
-def test_two_ranks_sharing_each_sequence_train_the_model_one_rank_trains(packed, split_run, tiny_llama3):
+def launch_hosts(cwd: Path, *args: str, hosts: int = 2):
+    """The multi-node long-context command on ``hosts`` "hosts" of one rank each: one launcher per host with its
+    own --machine_rank, meeting over loopback (the 70B recipe's test also runs its nodes in network namespaces)."""
+    port = free_port()
+    return launch_nodes(cwd, [["accelerate", "launch", "--config_file", NODES_CONFIG, "--num_machines", str(hosts),
+                               "--num_processes", str(hosts), "--machine_rank", str(rank), "--main_process_ip",
+                               "127.0.0.1", "--main_process_port", str(port), "train.py", *args]
+                              for rank in range(hosts)], [None] * hosts)
+
+
+@pytest.fixture(scope="module")
+def across_hosts(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[Path, list]:
+    """2 hosts of one rank each, --sequence-parallel 2 spanning them: packed rows, the MLP in slices, a checkpoint
+    at every step; 8 sequences per step, as the one-rank run with the whole sequences."""
+    output = tmp_path_factory.mktemp("hosts") / "sp2"
+    nodes = launch_hosts(recipe_copy, *sizes(tiny_llama3), *split_args(2, 8, 1), "--output", str(output),
+                         "--max-steps", "4", "--pack", *SEQUENCE_PARALLEL, "--tiled-mlp", *SAVE_EACH_STEP)
+    assert_finished(nodes[0], 4, name="main host")  # rank 0 says the summary
+    assert_finished(nodes[1], name="second host")
+    return output, nodes
+
+
+@pytest.mark.parametrize("placement", ["one-node-padded", "two-hosts-packed-tiled-mlp"])
+def test_two_ranks_sharing_each_sequence_train_the_model_one_rank_trains(placement, split_run, across_hosts,
+                                                                         tiny_llama3):
     """2 ranks, each with half of every sequence's tokens (attention by all-to-all), against 1 rank with the whole
     sequences, 8 sequences per step: the same per-step losses, gradient norms and weight update within the split
-    tolerances (measured: losses within 5e-5, gradient norms within 4e-4 relative). Packed rows also run the MLP
-    in slices (--tiled-mlp)."""
-    pack = ("--pack",) if packed else ()
-    runs = {(1, 8, 1): split_run(1, 8, 1, *pack),
-            (2, 8, 1): split_run(2, 8, 1, *pack, *SEQUENCE_PARALLEL, *(("--tiled-mlp",) if packed else SAVE_EACH_STEP))}
+    tolerances (measured: losses within 5e-5, gradient norms within 4e-4 relative). Padded rows on one node; packed
+    rows with the MLP in slices (--tiled-mlp) in a group that spans two hosts, which says what crosses the network."""
+    if placement == "one-node-padded":
+        runs = {(1, 8, 1): split_run(1, 8, 1), (2, 8, 1): split_run(2, 8, 1, *SEQUENCE_PARALLEL)}
+    else:
+        output, nodes = across_hosts
+        runs = {(1, 8, 1): split_run(1, 8, 1, "--pack"), (2, 8, 1): output}
+        # the Slurm long-context job (tests/recipes/test_slurm.py) must log these losses too
+        assert_matches_golden(losses(runs[(1, 8, 1)]), PACKED_GOLDEN, 4, atol=SPLIT_LOSS_ATOL)
+        assert "--sequence-parallel 2 spans 2 nodes per group" in nodes[0].stderr
+        assert [r["machine_rank"] for r in read_run_info(output)["ranks"]] == [0, 1]
     assert_one_model_for_every_split(runs, tiny_llama3)
 
 
-def test_a_sequence_parallel_checkpoint_resumes_without_it_and_back(split_run, recipe_copy, tiny_llama3, tmp_path):
-    """Saved by 2 ranks sharing each sequence (micro-batch 8; the padded run of the test above), resumed at step 2
-    by 2 ranks with their own sequences (micro-batch 4: the same 8 per step), whose step-3 checkpoint resumes with
-    sequence parallelism again: steps 3 and 4 log what the uninterrupted run logged, within the split tolerance."""
-    common = [*sizes(tiny_llama3), "--grad-accum", "1", "--max-steps", "4", *SAVE_EACH_STEP]
-    straight = split_run(2, 8, 1, *SEQUENCE_PARALLEL, *SAVE_EACH_STEP)
-    without, back = tmp_path / "without", tmp_path / "back"
-    shutil.copytree(straight / "checkpoints/step_000002", without / "checkpoints/step_000002")
-    proc = launch(recipe_copy, *common, "--micro-batch-size", "4", "--output", str(without))
+def test_a_checkpoint_of_a_group_across_hosts_resumes_on_one_host_and_back(across_hosts, recipe_copy, tiny_llama3,
+                                                                          tmp_path):
+    """Saved by the group spanning two hosts (the run above), resumed at step 2 on one host by one rank with the whole
+    sequences (--sequence-parallel 1, micro-batch 8: the same 8 per step), whose step-3 checkpoint resumes on two
+    hosts with the group again: steps 3 and 4 log what the uninterrupted run logged, within the split tolerance."""
+    common = [*sizes(tiny_llama3), "--grad-accum", "1", "--max-steps", "4", "--micro-batch-size", "8", "--pack",
+              *SAVE_EACH_STEP]
+    straight = across_hosts[0]
+    one, back = tmp_path / "one-host", tmp_path / "back"
+    shutil.copytree(straight / "checkpoints/step_000002", one / "checkpoints/step_000002")
+    proc = launch(recipe_copy, *common, "--output", str(one), nproc=1)
     assert_finished(proc, 4)
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
-    shutil.copytree(without / "checkpoints/step_000003", back / "checkpoints/step_000003")
-    proc = launch(recipe_copy, *common, "--micro-batch-size", "8", *SEQUENCE_PARALLEL, "--output", str(back))
-    assert_finished(proc, 4)
+    shutil.copytree(one / "checkpoints/step_000003", back / "checkpoints/step_000003")
+    main, second = launch_hosts(recipe_copy, *common, *SEQUENCE_PARALLEL, "--tiled-mlp", "--output", str(back))
+    assert_finished(main, 4, name="main host")
+    assert_finished(second, name="second host")
+
     def by_step(output: Path) -> dict[int, float]:
         return {m["step"]: m["loss"] for m in read_metrics(output)}
 
-    want, step3, step4 = by_step(straight), by_step(without)[3], by_step(back)[4]
-    assert sorted(by_step(without)) == [3, 4] and sorted(by_step(back)) == [4]
+    want, step3, step4 = by_step(straight), by_step(one)[3], by_step(back)[4]
+    assert sorted(by_step(one)) == [3, 4] and sorted(by_step(back)) == [4]
     assert abs(step3 - want[3]) <= SPLIT_LOSS_ATOL and abs(step4 - want[4]) <= SPLIT_LOSS_ATOL, (want, step3, step4)
 
 

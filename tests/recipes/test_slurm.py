@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, SAMPLE, SAMPLE_REVIEWS, assert_matches_golden, launch_env, losses, read_metrics
+from tests.harness import (
+    REPO,
+    SAMPLE,
+    SAMPLE_REVIEWS,
+    SPLIT_LOSS_ATOL,
+    assert_matches_golden,
+    launch_env,
+    losses,
+    read_metrics,
+)
 from tests.slurm_cluster import slurm_cluster, unavailable
 
 pytestmark = pytest.mark.recipe
@@ -118,6 +127,27 @@ def test_a_70b_job_preempted_with_usr1_checkpoints_both_nodes_requeues_and_finis
     golden = REPO / "tests/golden/llama3-70b-qlora.json"
     assert_matches_golden(losses(output), golden, 6, atol=5e-3)  # the 70B session's tolerance
     assert (output / "adapter").is_dir()
+
+
+def test_the_8b_long_context_job_spans_two_nodes_with_one_group_of_ranks(cluster, tiny_llama3, tmp_path):
+    """slurm/long-context.sbatch on two nodes of one rank each: its default --sequence-parallel (every GPU of the job,
+    here 2) makes one group across the nodes, with packed rows, the tiled MLP and checkpoints in host memory. The job
+    ends COMPLETED with the losses of one rank with the whole sequences (the 8B recipe's packed golden, from the same
+    sizes: 8 sequences per step)."""
+    recipe, output = copy_recipe("llama3-8b-zero3", tmp_path), tmp_path / "out-long"
+    train_args = ["--micro-batch-size", "8", "--grad-accum", "1", "--lr", "1e-3", "--samples", "0", "--max-steps", "4",
+                  "--save-every", "0"]
+    job = cluster.sbatch(["--nodes=2", "slurm/long-context.sbatch"], cwd=recipe,
+                         env={**launch_env(), "MODEL": str(tiny_llama3), "DATA": str(SAMPLE), "OUTPUT": str(output),
+                              "GPUS_PER_NODE": "1", "MAX_SEQ_LEN": "128", "GLOO_SOCKET_IFNAME": "eth0",
+                              "TRAIN_ARGS": " ".join(train_args)})
+    info = cluster.wait(job, "COMPLETED")
+    assert info["ExitCode"] == "0:0" and info["NumNodes"] == "2" and info["Restarts"] == "0"
+    log = (recipe / f"llama3-8b-long-context-{job}.out").read_text()
+    assert "--sequence-parallel 2 spans 2 nodes per group" in log and "done: 4 steps" in log, log[-4000:]
+    ranks = json.loads((output / "run_info.json").read_text())["ranks"]
+    assert sorted(r["machine_rank"] for r in ranks) == [0, 1]
+    assert_matches_golden(losses(output), REPO / "tests/golden/llama3-8b-zero3-packed.json", 4, atol=SPLIT_LOSS_ATOL)
 
 
 # Job states while a job that stops itself is requeued: running, then completing its first run, then pending again.

@@ -108,6 +108,11 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                             max_seq_len=args.max_seq_len, attention=getattr(args, "attention", "auto"),
                             pack=getattr(args, "pack", False), engine=fsdp.ENGINE if fsdp_launch else "deepspeed",
                             loss_chunks=getattr(args, "loss_chunks", 0))
+    spanning = sequence_parallel.across_nodes(getattr(args, "sequence_parallel", 1), model_config=model_config,
+                                              gpus_per_node=env.view().local_world_size,
+                                              max_seq_len=args.max_seq_len, micro_batch=args.micro_batch_size)
+    if spanning and env.is_main_rank():
+        print(spanning, file=sys.stderr)
     fp8.check(getattr(args, "fp8", "none"), method=method, device_capability=_device_capability(),
               cpu_ram_efficient_loading=bool(fsdp_launch and fsdp_launch.cpu_ram_efficient_loading))
     if getattr(args, "tiled_mlp", False) and fsdp_launch is not None:

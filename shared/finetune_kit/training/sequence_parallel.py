@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (DeepSpeed's ALST): several ranks share each sequence.
 
-With ``--sequence-parallel N``, N consecutive ranks (the GPUs of one node, or part of it) read the same
+With ``--sequence-parallel N``, N consecutive ranks (part of a node, a node, or whole nodes) read the same
 micro-batches and each computes its N-th of every sequence: embeddings, MLPs, norms and the loss on
 ``tokens / N`` positions. Around attention, DeepSpeed's ``UlyssesSPAttentionHF`` exchanges the
 query, key and value slices (one all-to-all each) so that every rank attends over the whole sequence
@@ -25,7 +25,9 @@ What this module adds to DeepSpeed's pieces, and why:
   ranks' attention, so the summed gradient is the whole sequence's.
 
 The checks (:func:`check`) run before any process starts: the size against the ranks, the nodes and
-the heads, the attention kernel, the engine.
+the heads, the attention kernel, the engine. A group may span whole nodes (ALST's 15M-token record ran one
+group of 32 over 4 nodes of 8): the all-to-alls then cross the network, which :func:`across_nodes` says in
+one line before the launch.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ def check(size: int, *, world: int, gpus_per_node: int, model_config, max_seq_le
         raise ConfigError(f"{flag} with {world} ranks: the size must divide the number of ranks (each group of "
                           f"{size} consecutive ranks shares a sequence). Use a divisor of {world}, or launch a "
                           f"multiple of {size} ranks.")
-    if size > gpus_per_node:
-        raise ConfigError(f"{flag} is larger than the {gpus_per_node} GPUs of a node: the all-to-all of every "
-                          f"layer would cross the network. Use at most {gpus_per_node}.")
+    if size > gpus_per_node and size % gpus_per_node:
+        raise ConfigError(f"{flag} with {gpus_per_node} GPUs per node: a group larger than a node must hold whole "
+                          f"nodes, or one node's ranks would belong to two groups. Use a multiple of {gpus_per_node} "
+                          f"(groups across nodes), or at most {gpus_per_node} (groups inside a node).")
     heads = model_config.num_attention_heads
     kv = getattr(model_config, "num_key_value_heads", None) or heads
     if heads % size:
@@ -98,6 +101,26 @@ def check(size: int, *, world: int, gpus_per_node: int, model_config, max_seq_le
     if not loss_chunks:
         raise ConfigError(f"--loss-chunks 0 with {flag}: each rank computes the loss of its slice from labels "
                           "shifted before slicing, which the chunked loss reads. Use --loss-chunks 8 (the default).")
+
+
+def across_nodes(size: int, *, gpus_per_node: int, model_config, max_seq_len: int, micro_batch: int) -> str | None:
+    """What a group spanning nodes costs, in one line (None inside a node): the share of each layer's all-to-alls
+    that leaves the node, and their bytes per rank and micro-batch over all layers. Per layer the query, key and value
+    go in and the attention output comes back, in the forward, the recomputed forward and (as gradients) the
+    backward; each rank keeps 1/size of its slice and sends the rest, (size - GPUs per node)/size of it off-node."""
+    if size <= gpus_per_node:
+        return None
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    per_token = 2 * (2 * heads + 2 * kv_heads) * head_dim  # q and output (heads), k and v (kv heads), bf16
+    tokens = micro_batch * max_seq_len // size
+    share = (size - gpus_per_node) / size
+    gib = 3 * model_config.num_hidden_layers * per_token * tokens * share / 2**30
+    return (f"--sequence-parallel {size} spans {size // gpus_per_node} nodes per group: each decoder layer's "
+            f"all-to-alls send {share:.0%} of every rank's slice over the network, up to {gib:,.1f} GiB per rank "
+            f"per micro-batch of {max_seq_len:,} tokens (forward, recompute and backward); `make plan ... NETWORK=` "
+            "prices it against your network.")
 
 
 def multiple(size: int, base: int = 8) -> int:

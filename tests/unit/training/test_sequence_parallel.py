@@ -11,7 +11,7 @@ import torch
 
 from finetune_kit.data import PackedCollator, PadCollator
 from finetune_kit.errors import ConfigError
-from finetune_kit.training.sequence_parallel import Groups, SequenceShard, check
+from finetune_kit.training.sequence_parallel import Groups, SequenceShard, across_nodes, check
 
 LLAMA3_8B = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8)
 GOOD = dict(world=8, gpus_per_node=8, model_config=LLAMA3_8B, max_seq_len=131072, attention="auto", pack=True,
@@ -20,6 +20,8 @@ GOOD = dict(world=8, gpus_per_node=8, model_config=LLAMA3_8B, max_seq_len=131072
 
 def test_a_good_setup_and_size_one_pass():
     check(8, **GOOD)
+    check(16, **{**GOOD, "world": 32, "gpus_per_node": 8})  # groups of two whole nodes (ALST ran 32 over 4)
+    check(2, **{**GOOD, "world": 2, "gpus_per_node": 1})  # two hosts of one rank each
     check(2, **{**GOOD, "world": 32})  # 16 groups of 2
     check(16, **{**GOOD, "model_config": SimpleNamespace(num_attention_heads=32, num_key_value_heads=8),
                  "gpus_per_node": 16, "world": 16})  # more ranks than KV heads: DeepSpeed repeats them
@@ -28,7 +30,9 @@ def test_a_good_setup_and_size_one_pass():
 
 @pytest.mark.parametrize("case, size, change, message", [
     ("ranks", 3, {}, r"--sequence-parallel 3 with 8 ranks: the size must divide the number of ranks.* divisor of 8"),
-    ("node", 8, {"world": 16, "gpus_per_node": 4}, r"larger than the 4 GPUs of a node.* at most 4"),
+    ("node", 12, {"world": 24, "gpus_per_node": 8, "max_seq_len": 1200,
+                  "model_config": SimpleNamespace(num_attention_heads=48, num_key_value_heads=12)},
+     r"--sequence-parallel 12 with 8 GPUs per node: a group larger than a node must hold whole nodes.* multiple of 8"),
     ("heads", 4, {"model_config": SimpleNamespace(num_attention_heads=6, num_key_value_heads=6)},
      r"6 attention heads do not divide into 4 groups"),
     ("kv_heads", 4, {"model_config": SimpleNamespace(num_attention_heads=12, num_key_value_heads=6)},
@@ -131,3 +135,14 @@ def test_the_tiled_mlp_knows_llama_and_phi3_from_their_configs_and_refuses_anoth
     assert message.endswith("Drop --tiled-mlp.")
     with pytest.raises(ConfigError, match="--tiled-mlp with gpt2: its MLP"):
         tiled_mlp.check(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128))
+
+
+def test_a_group_across_nodes_says_what_crosses_the_network():
+    """Llama 3.1 8B's heads at 128K tokens, groups of 16 over nodes of 8: half of each rank's q, k, v and attention
+    output leaves the node, three passes over the 32 layers; a group inside a node says nothing."""
+    config = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_hidden_layers=32)
+    line = across_nodes(16, gpus_per_node=8, model_config=config, max_seq_len=131072, micro_batch=1)
+    per_rank = 3 * 32 * (2 * (2 * 32 + 2 * 8) * 128) * (131072 // 16) * 0.5 / 2**30
+    assert "spans 2 nodes per group" in line and "50% of every rank's slice" in line
+    assert f"up to {per_rank:,.1f} GiB per rank" in line and "NETWORK=" in line
+    assert across_nodes(8, gpus_per_node=8, model_config=config, max_seq_len=131072, micro_batch=1) is None

@@ -98,6 +98,16 @@ ALST_SETUPS = {
 }
 
 
+# published.csv id -> how the 8B recipe launches that layout (recipes/llama3-8b-zero3/)
+LAUNCH = {
+    "alst-llama3.1-8b-1gpu": "`configs/zero3-offload.yaml` offloads the optimizer only: ALST's parameter offload is "
+                             "not a shipped config",
+    "alst-llama3.1-8b-8gpu": "`configs/zero3-ulysses.yaml`, `--sequence-parallel 8` (one node)",
+    "alst-llama3.1-8b-32gpu": "`configs/zero3-ulysses-nodes.yaml` or `slurm/long-context.sbatch`, "
+                              "`--sequence-parallel 32` (one group over 4 nodes)",
+}
+
+
 def published(results: Path) -> dict[str, dict]:
     """The ALST rows of ``results/published.csv`` by id."""
     with (results / "published.csv").open(newline="") as f:
@@ -143,8 +153,8 @@ def render(results: Path, measured: dict[int, str] | None = None) -> str:
         "for one setup and prints its memory breakdown.", "",
         "| Setup (Llama 3.1 8B, ZeRO-3) | GPUs | SP | Predicted longest (tokens) | Predicted per GPU (tokens) "
         "| Predicted GPU memory (GiB) | Predicted host memory per node (GiB) | ALST published (tokens) "
-        "| Relative error | Measured here |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| Relative error | Measured here | The 8B recipe launches it with |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|---|",
     ]
     for row, p in predictions(results):
         stated = int(row["seq_len"])
@@ -152,13 +162,13 @@ def render(results: Path, measured: dict[int, str] | None = None) -> str:
         gpus, sp = int(row["gpus"]), ALST_SETUPS[row["id"]]["sequence_parallel"]
         if p is None:
             lines.append(f"| {offload} | {gpus} | {sp} | none fits | | | | {_tokens(stated)} | | "
-                         f"{measured.get(gpus, 'not measured')} |")
+                         f"{measured.get(gpus, 'not measured')} | {LAUNCH[row['id']]} |")
             continue
         s = p.setup
         lines.append(f"| {offload} | {gpus} | {sp} | {s.seq_len:,} ({_tokens(s.seq_len)}) "
                      f"| {s.seq_len // s.sequence_parallel:,} | {p.gpu_bytes / GiB:.1f} of {s.gpu_memory_GiB:g} "
                      f"| {p.host_bytes / GiB:,.0f} of {s.host_memory_GiB:,.0f} | {stated:,} ({_tokens(stated)}) "
-                     f"| {s.seq_len / stated - 1:+.0%} | {measured.get(gpus, 'not measured')} |")
+                     f"| {s.seq_len / stated - 1:+.0%} | {measured.get(gpus, 'not measured')} | {LAUNCH[row['id']]} |")
     lines += [
         "",
         "Relative error: predicted / published - 1. ALST's figures are the longest sequences its recipes were "
