@@ -180,7 +180,8 @@ def recipe_llama3_8b_nvme(session: nox.Session) -> None:
 def slurm(session: nox.Session) -> None:
     """A real Slurm cluster (Debian's slurmctld, slurmdbd on MariaDB and two slurmd nodes in network
     namespaces; installed if missing) runs each recipe's slurm/train.sbatch unchanged: the 8B and 13B
-    jobs on one node, the 70B job across both, a preempted and a timed-out job requeued and resumed.
+    jobs on one node, the 70B job across both, a preempted and a timed-out job requeued and resumed; and
+    the 8B recipe's slurm/long-context.sbatch with one sequence-parallel group across both nodes.
     tests/slurm_cluster.py starts it, waits for both nodes to be idle and tears it down whatever happens."""
     run_in_stack(session, "pytest", "tests/recipes/test_slurm.py", *session.posargs)
 

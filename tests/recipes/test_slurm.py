@@ -4,7 +4,8 @@ model, the sample data and the processes per node in the environment, smaller si
 and GLOO_SOCKET_IFNAME for the 70B job's two nodes. The jobs end COMPLETED with the losses of the
 same runs launched directly (the recipes' golden files), and a 70B job stopped the way Slurm preempts
 (``scancel --signal=USR1``) checkpoints on both nodes, requeues itself and finishes where the
-uninterrupted run does."""
+uninterrupted run does. The 8B recipe's slurm/long-context.sbatch runs one sequence-parallel group across
+both nodes with the losses of one rank with the whole sequences."""
 
 from __future__ import annotations
 
