@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.models import fp8
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
-from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, Gpu, Network
+from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, Gpu, Network
 
 BF16 = 2
 FP32 = 4
@@ -255,7 +255,9 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
         if cluster.network is None:
             from finetune_kit.errors import ConfigError
 
-            raise ConfigError(f"{cluster.nodes} nodes need a network profile between them (e.g. ib400, eth100).")
+            raise ConfigError(f"{cluster.nodes} nodes need the network between them for the speed: pass NETWORK= to "
+                              f"make plan (--network here), one of {', '.join(NETWORKS)} (ib400: 8 x 400 Gb/s "
+                              "InfiniBand NICs per node; --network-gbps overrides a profile's GB/s).")
         inter_rate = cluster.network.per_node_GBps * 1e9 * LINK_EFFICIENCY / cluster.gpus_per_node
         if inter_rate < intra_rate:
             inter = sent / inter_rate
