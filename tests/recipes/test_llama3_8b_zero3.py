@@ -549,7 +549,7 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
 
 # ---- one model, however the batch is split ----
 
-PER_MICRO_BATCH_MEAN = "loss = model(**batch).loss / step.backward_scale"  # the loss before the step's token count
+PER_MICRO_BATCH_MEAN = "loss = model(**data.model_inputs(batch)).loss / step.backward_scale"  # before the step's count
 
 
 @pytest.fixture(scope="module")
@@ -574,7 +574,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
                 control = tmp_path_factory.mktemp("control") / "recipe"
                 shutil.copytree(recipe_copy, control)
                 script = (control / "train.py").read_text()
-                line = "loss = model(**batch, num_items_in_batch=step.labelled).loss"
+                line = "loss = model(**data.model_inputs(batch), num_items_in_batch=step.labelled).loss"
                 assert line in script
                 (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
             cwd = control
