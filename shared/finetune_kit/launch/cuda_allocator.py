@@ -42,7 +42,7 @@ def use_expandable_segments(args) -> str | None:
     levers = long_context(tiled_mlp=getattr(args, "tiled_mlp", False),
                           offload_activations=getattr(args, "offload_activations", False),
                           sequence_parallel=getattr(args, "sequence_parallel", 1))
-    if VARIABLE in os.environ or not for_launch(levers):
+    if VARIABLE in os.environ or not levers:
         return None
     import torch
 

@@ -299,10 +299,10 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, gradient
 
 # The recomputed layer's backward holds, beside the activations it rebuilt, the gradients in flight: the
 # gradient arriving at the layer and the one it passes down, attention's output, query, key and value
-# gradients and flash attention's fp32 query-gradient accumulator, about 13 bytes per token per hidden unit.
+# gradients and flash attention's fp32 query-gradient accumulator, about 14 bytes per token per hidden unit.
 # Fitted on one H100 (results/runs/long-context/: Llama 3.1 8B's shape at 128K and 256K tokens, checkpoints in
-# host memory, with and without the tiled MLP): with it the planner's tensors are within -1%..+6% of torch's
-# allocated peak; without it 11-16% under.
+# host memory, with and without the tiled MLP): with it the planner's tensors are within -3%..+2% of torch's
+# allocated peak; without it 18-37% under.
 BACKWARD_BYTES_PER_H = 14
 
 
