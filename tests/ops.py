@@ -12,17 +12,19 @@ build here is reported and left to the session that needs it (which then builds 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 
 from tests.harness import ensure_debian_packages
-from tests.op_compiler import precompiled_torch_header
+from tests.op_compiler import OBJECTS, op_compiler
 
 # builder class names, in the order make test's sessions first load them
 OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder")
 # the ops of many sources that include torch's extension header: built with it precompiled (tests/op_compiler.py)
 PRECOMPILED = ("AsyncIOBuilder",)
+# the ops whose objects are kept by content (tests/op_compiler.py): fused Adam compiles CPU Adam's cpu_adam_impl.cpp
+# again, and the GPU bundle's rehearsal builds fused Adam and the shared-memory all-reduce from its own DeepSpeed
+KEPT = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
 
 
 def main() -> int:
@@ -38,7 +40,7 @@ def main() -> int:
             if builder is None or not builder.is_compatible(verbose=False):
                 print(f"{name}: not built (no such op on this accelerator, or not compatible here)", flush=True)
                 continue
-            with precompiled_torch_header() if name in PRECOMPILED else contextlib.nullcontext():
+            with op_compiler(precompile_header=name in PRECOMPILED, objects=OBJECTS if name in KEPT else None):
                 builder.load(verbose=False)
             print(f"{name}: ready in {time.monotonic() - start:.0f} s", flush=True)
         except Exception as err:  # the session that needs it builds it again and reports its own error

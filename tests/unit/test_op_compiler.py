@@ -1,6 +1,7 @@
-"""The ops session's ``c++`` (tests/op_compiler.py): torch's header precompiled once per set of flags and forced into
-the sources that include it, and every other command passed through unchanged. A stand-in compiler records what it
-is asked; the real one runs in make test's ops session."""
+"""make test's ``c++`` for DeepSpeed's ops (tests/op_compiler.py): torch's header precompiled once per set of flags and
+forced into the sources that include it, every other command passed through unchanged (a stand-in compiler records
+what it is asked; the real one runs in make test's ops session); and objects kept by what the compiler sees (the
+system's C++ compiler on small sources, through a recorder)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.harness import REPO
-from tests.op_compiler import HEADER, includes, precompiled_torch_header, split_compile, with_precompiled_header
+from tests.op_compiler import HEADER, includes, op_compiler, split_compile, with_precompiled_header
 
 RECORDER = """#!/bin/sh
 printf '%s\\n' "$*" >> "{log}"
@@ -98,7 +99,7 @@ def test_within_the_context_c_plus_plus_on_path_is_the_wrapper_and_runs_the_real
     before = dict(os.environ)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
     try:
-        with precompiled_torch_header():
+        with op_compiler(precompile_header=True, objects=None):
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             subprocess.run(["c++", *compile_command(o, "through")], cwd=tmp_path, env=env, check=True)
             seen = json.loads(subprocess.run([sys.executable, "-c", "import os, json; print(json.dumps("
@@ -111,3 +112,64 @@ def test_within_the_context_c_plus_plus_on_path_is_the_wrapper_and_runs_the_real
     assert seen[0] == str(bin_dir / "c++") and seen[1].split(os.pathsep)[1] == str(bin_dir)
     calls = o["log"].read_text().splitlines()  # the header made, then the source compiled with it
     assert len(calls) == 2 and "-x c++-header" in calls[0] and calls[1].endswith(f"-include {HEADER} -Winvalid-pch")
+
+
+SOURCE = """#include "lib.h"
+int answer() { return check(%s); }
+"""
+LIB = """#pragma once
+inline const char* where() { return __FILE__; }  // as torch's checks spell the folder a header came from
+inline int check(int x) { return x > 0 ? x : (where()[0] == 'x'); }
+"""
+
+
+def installed(root: Path, value: str = "42") -> tuple[Path, Path]:
+    """The same library and source (as two copies of one package would hold them) under ``root``."""
+    (root / "include").mkdir(parents=True)
+    (root / "include/lib.h").write_text(LIB)
+    (root / "src").mkdir()
+    (root / "src/answer.cpp").write_text(SOURCE % value)
+    return root / "include", root / "src/answer.cpp"
+
+
+def compile_with_objects(tmp_path: Path, include: Path, source: Path, build: Path, *flags: str) -> list[str]:
+    """The wrapper as ninja runs it for one source, from ``build``, keeping objects in ``tmp_path/objects``; the
+    recorded calls of the real compiler but for ``--version``."""
+    log = tmp_path / "calls.log"
+    recorder = tmp_path / "recording-c++"
+    if not recorder.exists():
+        recorder.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{log}"\nexec c++ "$@"\n')
+        recorder.chmod(0o755)
+    build.mkdir(parents=True, exist_ok=True)
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OP_COMPILER_REAL": str(recorder),
+           "OP_COMPILER_OBJECTS": str(tmp_path / "objects")}
+    env.pop("OP_COMPILER_PCH", None)
+    subprocess.run([sys.executable, "-m", "tests.op_compiler", "-MMD", "-MF", "answer.o.d", f"-I{include}",
+                    "-DTORCH_EXTENSION_NAME=op", "-fPIC", *flags, "-c", str(source), "-o", "answer.o"],
+                   cwd=build, env=env, check=True)
+    return [call.split() for call in log.read_text().splitlines()[before:] if call != "--version"]
+
+
+def test_the_same_source_in_another_folder_takes_the_object_compiled_before(tmp_path):
+    first = installed(tmp_path / "stack")
+    calls = compile_with_objects(tmp_path, *first, tmp_path / "build1", "-O2")
+    assert [("-E" in c, "-c" in c) for c in calls] == [(True, False), (False, True)]
+    assert len(list((tmp_path / "objects").glob("*.o"))) == 1
+    second = installed(tmp_path / "host")  # the same files, another folder: __FILE__ spells another path
+    calls = compile_with_objects(tmp_path, *second, tmp_path / "build2", "-O2")
+    assert [("-E" in c, "-c" in c) for c in calls] == [(True, False)]  # preprocessed only: not compiled
+    assert (tmp_path / "build2/answer.o").read_bytes() == (tmp_path / "build1/answer.o").read_bytes()
+    depfile = (tmp_path / "build2/answer.o.d").read_text()  # as the compile writes it, for ninja
+    assert depfile.startswith("answer.o:") and str(second[0] / "lib.h") in depfile
+
+
+def test_other_code_or_other_flags_compile_again(tmp_path):
+    """The negative controls: each changes what the object would hold, and each compiles."""
+    include, source = installed(tmp_path / "stack")
+    compile_with_objects(tmp_path, include, source, tmp_path / "build1", "-O2")
+    changed = installed(tmp_path / "changed", value="43")
+    for (inc, src), flags in (((include, source), ("-O0",)), (changed, ("-O2",)), ((include, source), ("-O2", "-g"))):
+        calls = compile_with_objects(tmp_path, inc, src, tmp_path / "build2", *flags)
+        assert [("-E" in c, "-c" in c) for c in calls] == [(True, False), (False, True)], (flags, calls)
+    assert len(list((tmp_path / "objects").glob("*.o"))) == 4
