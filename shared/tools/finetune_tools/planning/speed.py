@@ -58,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.models import fp8
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
+from finetune_kit.training import sequence_parallel
 from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, Gpu, Network
 
 BF16 = 2
@@ -226,17 +227,13 @@ def bytes_per_step(job: Job, gpus: int) -> float:
 
 
 def all_to_all_bytes(job: Job) -> float:
-    """What each GPU sends in one micro-batch's Ulysses all-to-alls: per layer q (h), k and v (kv_dim
-    each) and the attention output (h) at the local length, in bf16, forward, backward and (with
-    checkpointing) the recomputed forward; each all-to-all keeps 1/sp of its tensor on the rank."""
-    sp = job.sequence_parallel
-    if sp <= 1:
-        return 0.0
-    shape = job.shape
-    local_tokens = job.micro_batch * job.seq_len / sp
-    per_layer = (2 * shape.hidden_size + 2 * shape.kv_dim) * BF16 * local_tokens
-    passes = 2 + job.gradient_checkpointing
-    return shape.num_hidden_layers * passes * (sp - 1) / sp * per_layer
+    """What each GPU sends in one micro-batch's Ulysses all-to-alls, as the recipe's own line before a launch across
+    nodes counts it (:func:`finetune_kit.training.sequence_parallel.all_to_all_bytes`): forward, backward and (with
+    checkpointing) the recomputed forward."""
+    sp, shape = job.sequence_parallel, job.shape
+    return sequence_parallel.all_to_all_bytes(size=sp, layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
+                                              kv_dim=shape.kv_dim, tokens=job.micro_batch * job.seq_len / sp,
+                                              passes=2 + job.gradient_checkpointing)
 
 
 def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) -> Prediction:
