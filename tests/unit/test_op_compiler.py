@@ -169,7 +169,32 @@ def test_other_code_or_other_flags_compile_again(tmp_path):
     include, source = installed(tmp_path / "stack")
     compile_with_objects(tmp_path, include, source, tmp_path / "build1", "-O2")
     changed = installed(tmp_path / "changed", value="43")
-    for (inc, src), flags in (((include, source), ("-O0",)), (changed, ("-O2",)), ((include, source), ("-O2", "-g"))):
+    for (inc, src), flags in (((include, source), ("-O0",)), (changed, ("-O2",)),
+                              ((include, source), ("-O2", "-ffast-math"))):
         calls = compile_with_objects(tmp_path, inc, src, tmp_path / "build2", *flags)
         assert [("-E" in c, "-c" in c) for c in calls] == [(True, False), (False, True)], (flags, calls)
     assert len(list((tmp_path / "objects").glob("*.o"))) == 4
+
+
+def sections(obj: Path) -> dict[str, bytes]:
+    """An object's code and data sections, byte for byte, and the names of its debug sections."""
+    out = {}
+    for name in (".text", ".rodata", ".data"):
+        dump = obj.with_name(f"{obj.name}{name}")
+        subprocess.run(["objcopy", "-O", "binary", f"--only-section={name}", str(obj), str(dump)], check=True)
+        out[name] = dump.read_bytes()
+    headers = subprocess.run(["objdump", "-h", str(obj)], capture_output=True, text=True, check=True).stdout
+    out["debug"] = sorted(set(line.split()[1] for line in headers.splitlines()
+                              if len(line.split()) > 1 and line.split()[1].startswith(".debug")))
+    return out
+
+
+def test_debug_information_is_left_out_and_the_code_is_the_same(tmp_path):
+    include, source = installed(tmp_path / "stack")
+    calls = compile_with_objects(tmp_path, include, source, tmp_path / "build", "-O2", "-g")
+    assert calls and all("-g" not in call for call in calls)
+    subprocess.run(["c++", f"-I{include}", "-DTORCH_EXTENSION_NAME=op", "-fPIC", "-O2", "-g", "-c", str(source),
+                    "-o", "debug.o"], cwd=tmp_path / "build", check=True)  # as DeepSpeed's flags ask
+    wrapped, debug = sections(tmp_path / "build/answer.o"), sections(tmp_path / "build/debug.o")
+    assert debug["debug"] and not wrapped["debug"]
+    assert debug[".text"] and all(wrapped[name] == debug[name] for name in (".text", ".rodata", ".data"))
