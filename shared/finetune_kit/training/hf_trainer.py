@@ -229,8 +229,10 @@ def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrai
     stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. It holds
     the output folder until the run ends (:mod:`finetune_kit.output_lock`)."""
     from finetune_kit import output_lock
+    from finetune_kit.launch.muon_import import import_muon_uncompiled
     from finetune_kit.metering import prometheus
 
+    import_muon_uncompiled(checked.ds_config)  # DeepSpeed's ZeRO check would import it with torch.compile's set-up
     if args.process_index == 0:
         output_lock.acquire(checked.output)
     trainer = MeteredTrainer(args=args, flop_counter=FlopCounter(checked.shape, num_labels=checked.num_labels),
