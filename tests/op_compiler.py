@@ -20,7 +20,7 @@ in, through ``__FILE__``). Any other text, flag or compiler is another object. T
 ``cpu_adam_impl.cpp`` is CPU Adam's too, and the bundle's sources are the same files in another folder: each compiles
 once. Measured on a 2-core AMD EPYC: fused Adam after CPU Adam in 64 s instead of about 2 minutes; the bundle's fused
 Adam and shared-memory all-reduce in 13 s instead of about 4 minutes. (An object names the folders it was first
-compiled from, in its debug information and its checks' messages.)
+compiled from, in its checks' messages.)
 
 Nothing else changes: ninja still records ``c++ ...`` (this script is named ``c++``), so a later load of the op in
 another process, with the real compiler, finds it built; ``-MMD`` lists the same headers.
