@@ -61,17 +61,28 @@ VARIANTS = [
             lever="no activation checkpointing, micro-batch 4, accumulation 4"),
     Variant("8b-mb2-ga4-ckpt2", "llama3-8b-zero3", 2, 4, flags=("--recompute-every", "2"),
             lever="every other decoder layer checkpointed, accumulation 4"),
+    Variant("8b-mb4-ga4-nockpt-liger", "llama3-8b-zero3", 4, 4, flags=(*NO_CKPT, "--loss-kernel", "liger"),
+            lever="no activation checkpointing, Liger-Kernel's fused linear cross-entropy, micro-batch 4, "
+                  "accumulation 4"),
+    Variant("8b-mb4-ga4-ckpt2", "llama3-8b-zero3", 4, 4, flags=("--recompute-every", "2"),
+            lever="every other decoder layer checkpointed, micro-batch 4, accumulation 4"),
     Variant("8b-mb2-ga4-offloadact", "llama3-8b-zero3", 2, 4, flags=("--offload-activations",),
             lever="activations saved for backward in pinned host memory, accumulation 4"),
     Variant("8b-mb2-ga4-nockpt-offloadact", "llama3-8b-zero3", 2, 4, flags=(*NO_CKPT, "--offload-activations"),
             lever="no activation checkpointing, activations in host memory, accumulation 4"),
+    Variant("8b-padded", "llama3-8b-zero3", 2, 4, data="short-instructions",
+            lever="short examples one to a row, each micro-batch padded to its longest (the packed rows' baseline)"),
     Variant("8b-packed-sdpa", "llama3-8b-zero3", 2, 4, flags=("--pack", "--attention", "sdpa"),
-            data="short-instructions", lever="packed short examples, SDPA with the block-diagonal mask"),
+            data="short-instructions", lever="packed short examples, SDPA with the block-diagonal mask",
+            baseline="8b-padded"),
     Variant("8b-packed-varlen", "llama3-8b-zero3", 2, 4, flags=("--pack",), data="short-instructions",
-            lever="packed short examples, the variable-length kernel (--attention auto)"),
+            lever="packed short examples, the variable-length kernel (--attention auto)", baseline="8b-padded"),
     Variant("8b-fsdp2-mb2-ga4", "llama3-8b-zero3-fsdp2", 2, 4, lever="FSDP2 instead of ZeRO-3, accumulation 4"),
     Variant("8b-fsdp2-mb2-ga4-compile", "llama3-8b-zero3-fsdp2", 2, 4, flags=("--compile",),
             lever="FSDP2, decoder layers through torch.compile, accumulation 4"),
+    Variant("8b-fsdp2-mb4-ga4-nockpt-compile", "llama3-8b-zero3-fsdp2", 4, 4, flags=(*NO_CKPT, "--compile"),
+            lever="FSDP2, decoder layers through torch.compile, no activation checkpointing, micro-batch 4, "
+                  "accumulation 4"),
     Variant("8b-offload-mb2-ga8", "llama3-8b-zero3-offload", 2, 8,
             lever="optimizer offloaded to CPU Adam, accumulation 8"),
     Variant("8b-mb2-ga1-repeat", "llama3-8b-zero3", 2, 1, lever="the baseline again: run-to-run variation"),
@@ -85,6 +96,16 @@ VARIANTS = [
     Variant("13b-mb2-ga4-wholeloss", "llama2-13b-zero2-bf16", 2, 4, flags=("--loss_chunks", "0"),
             lever="the loss over the whole micro-batch's logits (no chunks), accumulation 4"),
 ]
+
+# ---- past 40% MFU: the levers most likely to lift the 8B shape, in one command on one GPU ----
+# Each against 8b-mb2-ga4 (the check's ZeRO-3 sizes, run first; ``--speedup-against``), most likely to win first:
+# micro-batch 4 without checkpointing (the chunked loss, then Liger's), every other layer checkpointed at micro-batch
+# 4, FSDP2 compiled at micro-batch 4 without checkpointing, packed varlen against its padded twin, then every other
+# layer checkpointed at micro-batch 2, the first of these that fits the full depth on 80 GB GPUs (the planner's
+# prediction). Six steps a row, the first two left out of the medians (``MFU_STEPS``, ``MFU_WARMUP_STEPS``).
+MFU_ROWS = ["8b-mb2-ga4", "8b-mb4-ga4-nockpt", "8b-mb4-ga4-nockpt-liger", "8b-mb4-ga4-ckpt2",
+            "8b-fsdp2-mb4-ga4-nockpt-compile", "8b-padded", "8b-packed-varlen", "8b-mb2-ga4-ckpt2"]
+MFU_STEPS, MFU_WARMUP_STEPS = 6, 2
 
 # ---- fp8 matmuls (torchao float8 linears): the 8B shape at micro-batch 2, accumulation 4, 4,096 tokens ----
 # Each block is a bf16 row and its fp8 twins, one engine and compile setting: fp8's gain depends on
@@ -169,6 +190,11 @@ BY_NAME = {v.name: v for v in VARIANTS}
 # models are built once before, in about 2 minutes beside DeepSpeed's op compilation.
 SECONDS_ON_H100 = {"llama3-8b-zero3": 57, "llama3-8b-zero3-fsdp2": 63, "llama2-13b-zero2-bf16": 67,
                    "llama3-70b-qlora": 55, "llama3-8b-zero3-offload": 122}
+# The optimizer step within those seconds, measured there (results/runs/ablation/: micro-batch 2, accumulation 4, 4,096
+# tokens, every layer checkpointed): a row of other sizes or step count is predicted from the rest of the case's time
+# plus its steps at this time per token, an upper bound where fewer layers recompute
+STEP_SECONDS_ON_H100 = {"llama3-8b-zero3": 1.62, "llama3-8b-zero3-fsdp2": 1.60}
+MEASURED_STEPS = 8
 # Inductor's compilation of the decoder layers, forward and backward (static shapes at the first step, dynamic at
 # the first length change), measured on one H100 (2026-11-27, results/runs/fp8/): the compiled FSDP2 rows took
 # 97, 102 and 120 s (bf16, fp8 tensorwise, fp8 rowwise) against 63 s uncompiled (SECONDS_ON_H100): 34-57 s more
@@ -178,6 +204,9 @@ SETUP_SECONDS = 150  # install, the model builds and both ops' compilation (fuse
 # (2026-11-26: install 5 s, check models of 1.5e9 and 3.8e9 parameters built in 27 s and 38 s beside fused
 # Adam's compile), bounds a group whose models are no larger
 GPU_ADAM_SETUP_SECONDS = 94
+# One model of at most the 8B shape at 8 layers built beside fused Adam alone, measured on one H100 (2026-11-27, the fp8
+# command: install 3 s, the model built in 25 s beside fused Adam's 43 s, the first row started at about 70 s)
+ONE_MODEL_SETUP_SECONDS = 70
 GPU_ADAM_SETUP_PARAMS = (check_shape("llama3-8b", 2).total_params() + check_shape("llama3.3-70b", 2).total_params())
 # cases not measured yet, each timed as the measured case it differs from only in how the weights load (predicted)
 TIMED_LIKE = {cases.FP8_FSDP2: "llama3-8b-zero3-fsdp2"}
@@ -223,25 +252,36 @@ def long_context_seconds(variant: Variant) -> float:
     return LONG_LAUNCH_SECONDS + data_rows * variant.seq_len / DATA_TOKENS_PER_S + variant.steps * (compute + adam)
 
 
-def expected_seconds(variant: Variant) -> float:
-    """How long ``variant`` should take on one H100, from the measured per-case times (scaled by
-    its accumulation against the measured 4), plus the compilation when it compiles; a long-context
-    row's from :func:`long_context_seconds` (predicted). An fp8 row is predicted to take its bf16
-    twin's time: converting the linear layers is a module swap, and its steps are a few seconds of the
-    total either way."""
+def expected_seconds(variant: Variant, steps: int | None = None) -> float:
+    """How long ``variant`` should take on one H100, from the measured per-case times, plus the
+    compilation when it compiles; a long-context row's from :func:`long_context_seconds` (predicted).
+    Where the case's step time was measured (:data:`STEP_SECONDS_ON_H100`), the rest of the case's
+    time plus the row's steps (``variant.steps``, else ``steps``, else 8) at that time per token; else
+    the case's time scaled by its accumulation against the measured 4. An fp8 row is predicted to take
+    its bf16 twin's time: converting the linear layers is a module swap, and its steps are a few seconds
+    of the total either way."""
     if variant.case in {c.name for c in cases.LONG_CASES}:
         return long_context_seconds(variant)
-    per_case = SECONDS_ON_H100[TIMED_LIKE.get(variant.case, variant.case)]
-    return per_case * max(1.0, variant.grad_accum / 4) + ("--compile" in variant.flags) * COMPILE_SECONDS
+    timed = TIMED_LIKE.get(variant.case, variant.case)
+    per_case, compiling = SECONDS_ON_H100[timed], ("--compile" in variant.flags) * COMPILE_SECONDS
+    if timed not in STEP_SECONDS_ON_H100:
+        return per_case * max(1.0, variant.grad_accum / 4) + compiling
+    step = STEP_SECONDS_ON_H100[timed]
+    sequences = (variant.micro_batch or cases.EVERY_CASE[variant.case].micro_batch) * variant.grad_accum
+    n = variant.steps or steps or MEASURED_STEPS
+    return per_case - MEASURED_STEPS * step + n * step * sequences / (2 * 4) + compiling
 
 
 def setup_seconds(variants: list[Variant]) -> float:
     """Seconds before the first of ``variants`` starts on a fresh machine: :data:`GPU_ADAM_SETUP_SECONDS` where no
-    case offloads its optimizer and the models to build hold no more parameters than the smoke's, else
+    case offloads its optimizer and the models to build hold no more parameters than the smoke's
+    (:data:`ONE_MODEL_SETUP_SECONDS` where that is one model of at most the 8B shape at 8 layers), else
     :data:`SETUP_SECONDS`."""
     used = [cases.EVERY_CASE[name] for name in {v.case for v in variants}]
     params = sum(check_shape(arch, layers).total_params() for arch, layers in {(c.arch, c.layers) for c in used})
     small = not any(map(cases.cpu_adam, used)) and params <= GPU_ADAM_SETUP_PARAMS
+    if small and params <= check_shape("llama3-8b", 8).total_params():
+        return ONE_MODEL_SETUP_SECONDS
     return GPU_ADAM_SETUP_SECONDS if small else SETUP_SECONDS
 
 
@@ -294,9 +334,10 @@ def probe_stopped(variant: Variant, rows: list[dict]) -> str | None:
     return None
 
 
-def speedups(rows: list[dict]) -> list[dict]:
+def speedups(rows: list[dict], against: str | None = None) -> list[dict]:
     """Each row with ``speedup``, its tokens/s over its baseline's, and ``baseline``, that row's name:
     the row its variant names (:attr:`Variant.baseline`, wherever it is among ``rows``), or else the
+    row named ``against`` (every case and length of one command against one row), or else the
     first finished row of the same case and sequence length (tokens/s at 32K and at 128K are not one
     lever apart). No finished baseline: ``speedup`` None."""
     finished = {row["run"]: row["tokens_per_s_per_device"] for row in rows
@@ -308,6 +349,8 @@ def speedups(rows: list[dict]) -> list[dict]:
         named = BY_NAME.get(row.get("run", "")) if row.get("run") else None
         if named and named.baseline:
             base = (named.baseline, finished[named.baseline]) if named.baseline in finished else None
+        elif against:
+            base = (against, finished[against]) if against in finished else None
         else:
             if tps and key not in first:
                 first[key] = (row.get("run", row["case"]), tps)

@@ -225,6 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ablation", action="store_true",
                    help="run the speed-lever variants (gpu_check.ablation) instead of the cases")
     p.add_argument("--variants", default=None, help="with --ablation: comma-separated variant names (default: all)")
+    p.add_argument("--speedup-against", default=None,
+                   help="with --ablation: a variant of the command every row's speed-up is against, unless the row "
+                        "names its own baseline (default: each case's first row)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no further case or variant starts (default: none)")
     p.add_argument("--no-save", dest="save", action="store_false",
@@ -258,6 +261,10 @@ def main(argv=None) -> int:
         print(f"error: unknown {'variant' if args.ablation else 'case'}(s) {unknown}; they are {known}",
               file=sys.stderr)
         return 2
+    if args.speedup_against and args.speedup_against not in [v.name for v in variants]:
+        print(f"error: --speedup-against {args.speedup_against}: not a variant of this command; name one of "
+              f"{[v.name for v in variants]} (--variants)", file=sys.stderr)
+        return 2
     root = find_root(args.root)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -284,7 +291,7 @@ def main(argv=None) -> int:
     print(f"host check: {len(runnable)} case(s) ready", flush=True)
     if args.ablation:
         to_run = [v for v, f in zip(variants, run_flags, strict=True) if not host_check.not_applicable(f, capability)]
-        expected = ablation.setup_seconds(to_run) + sum(map(ablation.expected_seconds, to_run))
+        expected = ablation.setup_seconds(to_run) + sum(ablation.expected_seconds(v, args.steps) for v in to_run)
         print(f"ablation: {len(to_run)} variant(s), expected about {expected / 60:.0f} min on one H100 "
               "(gpu_check.ablation.SECONDS_ON_H100, measured per case there; long-context and fp8 rows predicted)"
               + (f"; {len(variants) - len(to_run)} not applicable on this GPU" if len(to_run) < len(variants) else ""),
@@ -341,7 +348,7 @@ def main(argv=None) -> int:
             except Exception as err:  # one broken case must not lose the others' summary
                 rows.append({**named, "status": "failed", "error": repr(err), **about})
         if args.ablation:
-            rows = ablation.speedups(rows)
+            rows = ablation.speedups(rows, args.speedup_against)
         # after every case: what finished is on disk even if the next one takes the machine down
         (out / "summary.json").write_text(json.dumps({"tiny": tiny, "gpu": info, "cases": rows}, indent=2) + "\n")
     print("\n" + summary_table(rows))
