@@ -11,7 +11,8 @@
 # host at first use; `python -m finetune_tools.gpu_check` starts that compile beside the model builds),
 # bitsandbytes with only its CPU library and the one for the host's CUDA (--cuda 130 for CUDA 13.0).
 # --extra eval adds lm-eval and what it needs (make eval; its source-only pins built into wheels here);
-# --also NAME==VERSION a package the lock does not pin (liger-kernel, CUDA only), its requirements not walked.
+# --also NAME==VERSION a package docker/requirements.txt does not pin (liger-kernel: the GPU images pin it in
+#                      requirements-cuda.txt), its requirements not walked.
 # About 39 MB for the default host with --extra eval and liger-kernel (23 MB without them). On the host, from the repository root:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD/shared:$PWD/shared/tools PATH=/tmp/site/bin:$PATH

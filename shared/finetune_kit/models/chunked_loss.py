@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 IGNORE = -100  # labels that take no loss (prompt tokens, padding), as transformers counts them
 CHUNKS = 8  # pieces of the micro-batch's tokens; a constant count keeps ZeRO-3's prefetch trace stable
 KERNELS = ("auto", "chunked", "liger")
-LIGER_TESTED = "0.8.5"  # the liger-kernel release this was written against (not pinned: optional, CUDA only)
+LIGER_TESTED = "0.8.5"  # the liger-kernel release this was written against (CUDA only: the GPU images pin it)
 
 
 def liger_available() -> bool:

@@ -67,3 +67,25 @@ def test_a_base_image_by_tag_is_caught(copy):
 def test_a_version_spelled_in_the_noxfile_must_be_the_pin(copy):
     (copy / "noxfile.py").write_text((copy / "noxfile.py").read_text() + '\nEXTRA = ["ruff==0.1.0"]\n')
     assert pins.problems(copy) == ["noxfile.py: ruff==0.1.0 but docker/requirements*.txt pin 0.17.6; use the pin"]
+
+
+def test_the_gpu_images_alone_lock_the_cuda_only_pins_at_the_version_the_loss_was_written_against():
+    from finetune_kit.models.chunked_loss import LIGER_TESTED
+
+    gpu, cpu = (pins.read_lock(REPO / lock) for lock in pins.LOCKS)
+    cuda = pins.read_pins(REPO / pins.CUDA_PINS)
+    assert cuda == {"liger-kernel": LIGER_TESTED}
+    assert gpu["liger-kernel"]["version"] == LIGER_TESTED and "liger-kernel" not in cpu
+    assert {"torch", "triton"} <= set(gpu)  # its requirements, locked beside it (installed with --no-deps)
+
+
+def test_a_cuda_only_pin_changed_without_relocking_or_locked_for_cpus_is_caught(copy):
+    edit(copy / "docker/requirements-cuda.txt", "liger-kernel==0.8.5", "liger-kernel==0.9.0")
+    assert pins.problems(copy) == ["docker/requirements.lock: liger-kernel is locked at 0.8.5 but pinned at 0.9.0; "
+                                   "run `make lock` and commit docker/*.lock"]
+    edit(copy / "docker/requirements-cuda.txt", "liger-kernel==0.9.0", "liger-kernel==0.8.5")
+    gpu_entry = (REPO / "docker/requirements.lock").read_text().split("liger-kernel==0.8.5 \\\n")[1].split("lm-eval")[0]
+    cpu = copy / "docker/requirements-cpu.lock"
+    cpu.write_text(cpu.read_text() + "liger-kernel==0.8.5 \\\n" + gpu_entry)
+    found = pins.problems(copy)
+    assert any("requirements-cpu.lock: liger-kernel is pinned for the GPU images only" in p for p in found), found

@@ -15,7 +15,7 @@ either lacks it or has a version that is older than the pin (the kit's direct de
 outside what the requiring package accepts (everything else). torch and its CUDA libraries are
 never carried: the host's own CUDA build is the point; a host without torch is an error.
 ``--extra eval`` adds an optional-dependency group of pyproject.toml (lm-eval for ``make eval``) to the
-roots; ``--also NAME==VERSION`` carries a package the lock does not pin (liger-kernel, a CUDA-only
+roots; ``--also NAME==VERSION`` carries a package docker/requirements.txt does not pin (liger-kernel, a CUDA-only
 kernel library) at that version, without walking its requirements (they must be on the host).
 """
 
@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--pyproject", type=Path, default=root / "pyproject.toml")
     p.add_argument("--extra", action="append", default=[], help="an optional-dependency group to carry too (eval)")
     p.add_argument("--also", action="append", default=[], type=Requirement,
-                   help="NAME==VERSION of a package the lock does not pin, carried as is (liger-kernel==0.8.5)")
+                   help="NAME==VERSION of a package docker/requirements.txt does not pin, carried as is "
+                        "(liger-kernel==0.8.5)")
     args = p.parse_args(argv)
     loose = [str(r) for r in args.also if len(r.specifier) != 1 or next(iter(r.specifier)).operator != "=="]
     if loose:
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
         name, version = normalise(req.name), next(iter(req.specifier)).version
         if name not in {c["name"] for c in chosen} and host.get(name) != version:
             chosen.append({"name": name, "version": version,
-                           "why": "asked for (--also; not in the lock, its requirements not walked)"})
+                           "why": "asked for (--also; not in docker/requirements.txt, its requirements not walked)"})
     for item in chosen:
         print(f"{item['name']}=={item['version']}")
         print(f"carry {item['name']} {item['version']}: {item['why']}", file=sys.stderr)

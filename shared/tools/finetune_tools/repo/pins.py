@@ -1,7 +1,8 @@
 """Where the pinned versions are written, and whether they agree.
 
-``docker/requirements.txt`` holds the pins. ``docker/requirements.lock`` (GPU) and
-``requirements-cpu.lock`` (CPU) are generated from them by ``make lock`` with a sha256 for every file;
+``docker/requirements.txt`` holds the pins, ``docker/requirements-cuda.txt`` those of the GPU images only.
+``docker/requirements.lock`` (GPU: both) and ``requirements-cpu.lock`` (CPU: the first) are generated from them
+by ``make lock`` with a sha256 for every file;
 the Dockerfiles carry the versions in labels and pin their base by digest; noxfile.py installs the pins.
 ``problems(root)`` lists every disagreement, each naming the file, the value and the fix.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from finetune_kit.metering.run_record import PIN, normalise, read_pins  # noqa: F401  (also this module's API)
 
 LOCKS = ("docker/requirements.lock", "docker/requirements-cpu.lock")
+CUDA_PINS = "docker/requirements-cuda.txt"  # locked into the GPU lock only
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 VERSION_LABEL = re.compile(r"finetune-kit\.([a-z0-9_-]+)=\"([^\"]+)\"")
 SPELLED_VERSION = re.compile(r"[\"' ]([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][^\s\"',]*)")
@@ -86,12 +88,17 @@ def spelled_version_problems(path: Path, pins: dict[str, str], name: str) -> lis
 def problems(root: Path) -> list[str]:
     pins = read_pins(root / "docker/requirements.txt")
     dev = read_pins(root / "docker/requirements-dev.txt")
+    cuda = read_pins(root / CUDA_PINS)
     found = []
     for lock in LOCKS:
         if not (root / lock).is_file():
             found.append(f"{lock} is missing; {FIX_LOCK}")
             continue
-        found += lock_problems(pins, read_lock(root / lock), lock)
+        entries = read_lock(root / lock)
+        found += lock_problems({**pins, **cuda} if lock == LOCKS[0] else pins, entries, lock)
+        if lock != LOCKS[0]:
+            found += [f"{lock}: {pkg} is pinned for the GPU images only ({CUDA_PINS}) but locked here; {FIX_LOCK}"
+                      for pkg in sorted(set(cuda) & set(entries))]
     for dockerfile in sorted([root / "docker/Dockerfile", *root.glob("recipes/*/Dockerfile")]):
         found += dockerfile_problems(dockerfile, pins, str(dockerfile.relative_to(root)))
     found += spelled_version_problems(root / "noxfile.py", {**dev, **pins}, "noxfile.py")
