@@ -2,7 +2,10 @@
 
 Everything is arithmetic on the model's ``config.json`` (no weights, no torch, no GPU):
 
-* **Model states** (weights, gradients, optimizer) for full fine-tuning under ZeRO-2/3 are the
+* **Model states** (weights, gradients, optimizer) for full fine-tuning under ZeRO-3 without offload are
+  what DeepSpeed's stage 3 holds (16 bytes per parameter, sharded) and the peak is the larger of the
+  optimizer step's and the backward's working sets; see :func:`zero3_model_states` (measured on one H200,
+  ``results/runs/mfu/``). Otherwise (ZeRO-0/1/2, offload) they are the
   numbers of DeepSpeed's own estimators, ``estimate_zero2_model_states_mem_needs`` and
   ``estimate_zero3_model_states_mem_needs`` (deepspeed 0.19.8), reproduced formula for formula
   in :func:`deepspeed_model_states` (the tests compare with DeepSpeed's functions). They count
@@ -110,6 +113,66 @@ def zero_paper_model_states(psi: float, stage: int, num_gpus: int, k: int = 12) 
     if stage == 2:
         return 2 * psi + (2 + k) * psi / num_gpus
     return (2 + 2 + k) * psi / num_gpus
+
+
+# What DeepSpeed's stage 3 (deepspeed/runtime/zero/stage3.py, 0.19.8) holds on the GPU per parameter of this rank's
+# partition when nothing is offloaded: the bf16 weights (``fp16_partitioned_groups_flat``, 2 B), the bf16 gradients
+# (``grad_partitions_flat_buffer``, 2 B), the fp32 master weights (4 B) and Adam's two fp32 moments (8 B). The fp32
+# gradients DeepSpeed's estimator counts (its 18 B) never exist for the whole model at once: the step makes them one
+# sub-group at a time (``_prepare_fp32_grad_for_sub_group``: ``self.flatten(grads).to(fp32)``, a bf16 flat copy and
+# its fp32 cast, 2 + 4 B per parameter of the sub-group) and drops them after that sub-group's Adam update.
+ZERO3_STATES, ZERO3_STEP_BYTES = 2 + 2 + FP32 + 2 * FP32, BF16 + FP32
+# torch's AdamW under FSDP2 (``training.engine``: foreach, the default on CUDA) takes the square root of all second
+# moments into new tensors (``torch._foreach_sqrt(exp_avg_sqs)`` in ``_multi_tensor_adam``): 4 B per sharded parameter
+# beside the 16 B of states. Measured: FSDP2 with checkpointing on one H100 peaked at 52.14 GiB allocated
+# (results/runs/fp8/records/2026-11-27-h100-1/8b-fsdp2-compile-bf16.json), 20 B x 2.80 B parameters = 52.07 GiB.
+ADAMW_FOREACH_BYTES = FP32
+
+
+def parameter_sizes(shape: ModelShape, num_labels: int | None = None) -> list[int]:
+    """Element counts of the model's parameters in ``model.parameters()`` order (what the optimizer and DeepSpeed's
+    sub-groups see): the embedding, per decoder layer q, k, v, o, the MLP's linears and the two norms, the final
+    norm, then the head (untied LM head or classification head)."""
+    h = shape.hidden_size
+    layer = [i * o for i, o in shape.linear_shapes().values()] + [h, h]
+    head = shape.head_params(num_labels)
+    return [shape.vocab_size * h, *layer * shape.num_hidden_layers, h, *([head] if head else [])]
+
+
+def zero3_largest_sub_group(shape: ModelShape, *, gpus: int, num_labels: int | None = None,
+                            sub_group_size: float | None = None) -> int:
+    """Elements of this rank's largest optimizer sub-group under ZeRO-3: DeepSpeed's ``_create_fp16_sub_groups``
+    walks the parameters in order, adding each one's partition (ceil(numel / GPUs)), and closes a group when it
+    reaches ``sub_group_size`` (the shipped configs' 1e9, DeepSpeed's default), so a group overshoots by up to one
+    parameter. Llama 3 8B's shape truncated to 8 layers on one GPU: 1.0035e9, 1.0486e9 and 0.7435e9."""
+    limit = SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
+    largest = current = 0
+    for numel in parameter_sizes(shape, num_labels):
+        current += -(-numel // gpus)
+        if current >= limit:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def zero3_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None = None) -> dict[str, int]:
+    """{part: GPU bytes per GPU} of full fine-tuning under ZeRO-3 without offload, in two phases that never overlap:
+
+    * always: 16 bytes per parameter / GPUs (bf16 weights and gradients, fp32 master weights, Adam's moments;
+      ``ZERO3_STATES``);
+    * in the backward: the gathered largest layer's bf16 weights and its bf16 gradient (4 B per parameter of the
+      largest layer, DeepSpeed's estimator's own term), beside the activations;
+    * in the optimizer step, when activations and gathered layers are gone: the largest sub-group's gradients
+      flattened in bf16 and cast to fp32 (6 B per parameter of it, ``ZERO3_STEP_BYTES``).
+
+    Measured on one H200 (results/runs/mfu/records/2026-11-28-h200-1/8b-mb2-ga4.json, 8b-padded.json,
+    8b-packed-varlen.json, 2026-11-28-h200-2/8b-mb4-ga4-liger.json; the H100's
+    results/runs/fp8/records/2026-11-27-h100-*/8b-zero3-bf16.json): every run whose activations are small peaked at
+    the same 47.61 GiB allocated, whatever its micro-batch; 16 B x 2.7956 B parameters + 6 B x 1.0486e9 = 47.52 GiB.
+    """
+    psi = shape.total_params(num_labels)
+    return {"states": ZERO3_STATES * psi // gpus,
+            "backward": 4 * shape.largest_layer_params(num_labels),
+            "step": ZERO3_STEP_BYTES * zero3_largest_sub_group(shape, gpus=gpus, num_labels=num_labels)}
 
 
 def fsdp2_model_states(shape: ModelShape, *, gpus: int, num_labels: int | None = None
@@ -351,10 +414,21 @@ class Setup:
 
 # CUDA context, cuBLAS workspaces and NCCL buffers live outside PyTorch's allocator: NVML's used
 # memory exceeded torch's reserved peak by 1.8-2.2 GiB in every H100 run in results/runs (torch
-# 2.11+cu130; tests/unit/planning/test_planner_calibration.py reads them). The caching allocator's
-# fragmentation adds roughly a tenth to what tensors use.
+# 2.11+cu130) and by 1.88-1.90 GiB in every H200 run (results/runs/mfu/records/;
+# tests/unit/planning/test_planner_calibration.py reads them all). The caching allocator's
+# fragmentation adds roughly a tenth to what tensors use (the older runs at 2K-4K tokens).
 CUDA_CONTEXT_GIB = 2.0
 FRAGMENTATION = 0.10
+# Full fine-tuning under ZeRO-3 without offload, the loss in chunks: torch's reserved minus allocated peak was
+# 6.8-10.9% of the allocated peak in every such run on one H200 (results/runs/mfu/2026-11-28-h200-1.json and
+# -2.json: 3.22 GiB of 47.61 at micro-batch 2 with checkpointing, 6.46 of 59.04 with every 2nd layer
+# checkpointed at micro-batch 4, 6.33 of 70.79 without checkpointing; median 8.6%) and on one H100 with the same
+# code (results/runs/fp8/records/2026-11-27-h100-*/8b-zero3-bf16.json: 3.22 of 47.61). The runs of older code with
+# the whole micro-batch's logits (results/runs/ablation/: 4-23 GiB of fp32 logits) held 14-30% more; FSDP2 17-40%
+# (its all-gather and reduce-scatter streams keep blocks of their own), so both keep FRAGMENTATION: the one
+# FSDP2 run of results/runs/mfu (--compile, no checkpointing) held 15.4 GiB over 64.2 allocated, where the planner,
+# not told about torch.compile, counts the uncompiled activations, about 10 GiB more than ran.
+ZERO3_FRAGMENTATION = 0.085
 # At long context a layer's tensors are gigabytes each and change size between the forward, the recompute and each
 # MLP tile: with one micro-batch's hidden states of 1 GiB or more (128K tokens of Llama 3 8B per rank) the default
 # allocator held 40-54% more than the planner's tensors reserved, expandable segments 20% (one H100 at 128K and 256K
@@ -452,6 +526,7 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         log.warning("QLoRA with offload_param: bitsandbytes 4-bit weights are used on the GPU; expect more GPU "
                     "memory than predicted (PEFT's DeepSpeed guide, caveat 3).")
     result = Plan(model=shape, setup=s, total_params=shape.total_params(s.num_labels))
+    optimizer_step = sharded = 0  # the step's own working set where modelled; the sharded states beside it
     if s.engine == "fsdp2":
         if s.adapter is not None or s.offload_optimizer or s.offload_param:
             raise ConfigError("the FSDP2 plan covers full fine-tuning without offload; plan LoRA/QLoRA and offload "
@@ -462,6 +537,21 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
                 result.gpu_parts[name] = gpu
             if cpu:
                 result.host_parts[name] = cpu
+        # torch's AdamW's step, after the backward: the sharded states and AdamW's foreach temporaries
+        optimizer_step = ADAMW_FOREACH_BYTES * result.total_params // s.gpus
+        sharded = (FP32 + FP32 + 2 * FP32) * result.total_params // s.gpus
+    elif s.adapter is None and s.stage == 3 and not (s.offload_optimizer or s.offload_param):
+        result.trainable_params = result.total_params
+        zero3 = zero3_model_states(shape, gpus=s.gpus, num_labels=s.num_labels)
+        result.gpu_parts["model states, sharded: bf16 weights + grads, fp32 weights + Adam (16 B/param / GPUs)"] = \
+            zero3["states"]
+        result.gpu_parts["ZeRO-3 gathered layer in backward: bf16 weights + grads (4 B x largest layer)"] = \
+            zero3["backward"]
+        optimizer_step, sharded = zero3["step"], zero3["states"]
+        result.host_parts["model states (DeepSpeed estimate)"] = deepspeed_model_states(
+            result.total_params, shape.largest_layer_params(s.num_labels), stage=s.stage,
+            gpus_per_node=s.gpus_per_node, nodes=s.nodes, zero_init=s.zero_init,
+            additional_buffer_factor=additional_buffer_factor)[0]
     elif s.adapter is None:
         result.trainable_params = result.total_params
         cpu, gpu = deepspeed_model_states(
@@ -518,10 +608,23 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         result.gpu_parts[f"one layer recomputed in backward{tiled}"] = act["recompute"]
     if act["a2a"]:
         result.gpu_parts[f"activations: Ulysses all-to-all buffers (sp {s.sequence_parallel}, one layer)"] = act["a2a"]
+    if optimizer_step:
+        # The peak is the larger of the backward's working set (all but the sharded states: gathered weights,
+        # gradients in flight, activations) and the optimizer step's, which comes after the backward's is freed.
+        # Measured: ZeRO-3 runs with checkpointing peaked at 47.61 GiB allocated at micro-batch 2 and 4 alike
+        # (results/runs/mfu/records/2026-11-28-h200-1/8b-mb2-ga4.json, 2026-11-28-h200-2/8b-mb4-ga4-liger.json):
+        # the step's (47.52 GiB predicted), where adding the backward's working set to it would predict 52.2 and
+        # 54.9 GiB.
+        backward = sum(result.gpu_parts.values()) - sharded
+        if optimizer_step > backward:
+            what = ("one sub-group's grads in bf16 + fp32, 6 B/param" if s.engine != "fsdp2" else
+                    "AdamW's foreach square roots of the second moments, 4 B/param / GPUs")
+            result.gpu_parts[f"optimizer step beyond the backward's working set ({what})"] = optimizer_step - backward
     tensors = sum(result.gpu_parts.values())
     expandable = True if s.expandable_segments is None else s.expandable_segments  # None: the recipes' own setting
     hidden_states = s.micro_batch * -(-s.seq_len // s.sequence_parallel) * shape.hidden_size * BF16
-    share = LONG_CONTEXT_FRAGMENTATION[expandable] if hidden_states >= LONG_CONTEXT_TENSOR_BYTES else FRAGMENTATION
+    short_context = ZERO3_FRAGMENTATION if s.engine != "fsdp2" and optimizer_step else FRAGMENTATION
+    share = LONG_CONTEXT_FRAGMENTATION[expandable] if hidden_states >= LONG_CONTEXT_TENSOR_BYTES else short_context
     result.gpu_parts["CUDA context + allocator"] = int(CUDA_CONTEXT_GIB * GiB + share * tensors)
     return result
 

@@ -24,10 +24,24 @@ def device_view_records() -> list[tuple[str, RunRecord]]:
     return [(n, r) for n, r in records if r.measured.peak_gpu_device_GiB and r.measured.peak_gpu_reserved_GiB]
 
 
+GPUS = {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+
+
 def test_enough_gpu_runs_measured_the_device_view():
     runs = device_view_records()
     assert len(runs) >= 5
-    assert {r.hardware.device for _, r in runs} == {"NVIDIA H100 80GB HBM3"}
+    assert {r.hardware.device for _, r in runs} == GPUS  # both cards measured, nothing else
+    for device in GPUS:  # enough runs on each for the context term to be measured on both
+        assert sum(r.hardware.device == device for _, r in runs) >= 5, device
+
+
+@pytest.mark.parametrize("device", sorted(GPUS))
+def test_the_context_term_holds_on_each_card(device):
+    """NVML-used minus torch-reserved is the same term on the H100 (1.8-2.2 GiB) and the H200 (about 1.9 GiB): the
+    mean of each card's runs within the tolerance of CUDA_CONTEXT_GIB."""
+    gaps = [r.measured.peak_gpu_device_GiB - r.measured.peak_gpu_reserved_GiB for _, r in device_view_records()
+            if r.hardware.device == device]
+    assert abs(sum(gaps) / len(gaps) - CUDA_CONTEXT_GIB) <= TOLERANCE_GIB, (device, gaps)
 
 
 @pytest.mark.parametrize("name,record", device_view_records(), ids=lambda x: x if isinstance(x, str) else "")
