@@ -11,32 +11,23 @@ decoder layers on one GPU, and a lever that wins there but does not fit the full
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from finetune_kit.planning.memory import GiB, Setup, plan, setup_for_fsdp2
-from finetune_tools.gpu_check.cases import EVERY_CASE
+from finetune_kit.planning.memory import GiB, Setup, plan
+from finetune_tools.paths import find_root
+from finetune_tools.results.long_context_runs import measured_setup, recipes_root
 
 FOLDER = "runs/mfu"
 FULL_DEPTH = {"model": "llama3-8b", "gpus_per_node": 8, "gpu_memory_GiB": 80.0}  # the 8B recipe's 8-GPU setup
-LOSS_CHUNKS = 8  # the recipe's default --loss-chunks (training.arguments)
 
 
-def _flag(flags: list[str], name: str, default: int) -> int:
-    return int(flags[flags.index(name) + 1]) if name in flags else default
-
-
-def full_depth_setup(row: dict) -> Setup:
-    """The planner's Setup for ``row``'s settings on :data:`FULL_DEPTH`'s GPUs (ZeRO-3 or FSDP2 as the row ran;
-    Liger's fused loss never holds more than the chunked loss's block of logits, so it is planned as chunked)."""
-    flags = row.get("extra_flags", [])
-    fields = dict(gpus_per_node=FULL_DEPTH["gpus_per_node"], gpu_memory_GiB=FULL_DEPTH["gpu_memory_GiB"],
-                  micro_batch=row["micro_batch"], seq_len=row["seq_len"],
-                  gradient_checkpointing="--no-gradient-checkpointing" not in flags,
-                  recompute_every=_flag(flags, "--recompute-every", 1),
-                  loss_chunks=_flag(flags, "--loss-chunks", LOSS_CHUNKS), kv_repeated=False)
-    if "fsdp" in " ".join(EVERY_CASE[row["case"]].launcher):
-        return setup_for_fsdp2(**fields)
-    return Setup(stage=3, **fields)
+def full_depth_setup(row: dict, root: Path | None = None) -> Setup:
+    """The planner's Setup for ``row``'s settings (:func:`long_context_runs.measured_setup`: ZeRO-3 or FSDP2 as the
+    row ran) on :data:`FULL_DEPTH`'s GPUs. Liger's fused loss never holds more than the chunked loss's block of
+    logits, so it is planned as chunked."""
+    _, measured = measured_setup(row, root or find_root())
+    return replace(measured, gpus_per_node=FULL_DEPTH["gpus_per_node"], gpu_memory_GiB=FULL_DEPTH["gpu_memory_GiB"])
 
 
 def rows(results: Path) -> list[tuple[str, dict]]:
@@ -53,11 +44,12 @@ def table(results: Path) -> list[str]:
     found = rows(results)
     if not found:
         return ["None measured yet."]
+    root = recipes_root(results)
     lines = ["| Command | Row | What changes | Micro-batch × accumulation | Tokens/s per GPU | Speed-up | Against "
              "| MFU % | Peak reserved GiB | Predicted GiB (what ran) | Full depth on 8 × 80 GB (planner) |",
              "|---|---|---|--:|--:|--:|---|--:|--:|--:|---|"]
     for command, row in found:
-        full = plan(FULL_DEPTH["model"], full_depth_setup(row))
+        full = plan(FULL_DEPTH["model"], full_depth_setup(row, root))
         verdict = f"{'fits' if full.fits else 'does not fit'}: {full.gpu_bytes / GiB:.1f} GiB"
         lines.append(
             f"| {command} | `{row['run']}` | {row['lever']} | {row['micro_batch']} × {row['grad_accum']} "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune_kit.launch.cuda_allocator import EXPANDABLE
-from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_from_deepspeed
+from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed
 from finetune_tools.gpu_check.cases import EVERY_CASE
 from finetune_tools.gpu_check.synthetic import check_shape
 from finetune_tools.planning import long_context
@@ -42,22 +42,30 @@ class Measured:
         return self.plan.gpu_bytes / GiB / device - 1 if device else None
 
 
+LOSS_CHUNKS = 8  # the recipe's default --loss-chunks (training.arguments), for a row that names none
+
+
 def measured_setup(row: dict, root: Path) -> tuple[object, Setup]:
-    """The check model's shape and the planner's Setup of one summary row of the ablation's long-context rows:
-    its case's model and launch config, its flags, and the allocator setting it ran with (``cuda_alloc_conf``;
-    absent: PyTorch's default)."""
+    """The check model's shape and the planner's Setup of one summary row of the GPU check's ablation: its case's
+    model and launch config (its DeepSpeed config, or FSDP2), its flags (the recipe's defaults where it names none),
+    and the allocator setting it ran with (``cuda_alloc_conf``; absent: PyTorch's default)."""
     case = EVERY_CASE[row["case"]]
-    config_file = case.launcher[case.launcher.index("--config_file") + 1].replace(".yaml", ".json")
-    ds_config = json.loads((root / "recipes" / case.recipe / config_file).read_text())
+    config_file = case.launcher[case.launcher.index("--config_file") + 1]
     flags = row.get("extra_flags", [])
-    chunks = int(flags[flags.index("--loss-chunks") + 1]) if "--loss-chunks" in flags else 0
+
+    def number(flag: str, default: int) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
     shape = check_shape(case.arch, row["layers"])
-    setup = setup_from_deepspeed(
-        ds_config, gpus_per_node=1, gpu_memory_GiB=H100.memory_GiB, micro_batch=row["micro_batch"],
-        seq_len=row["seq_len"], gradient_checkpointing="--no-gradient-checkpointing" not in flags, loss_chunks=chunks,
-        offload_activations="--offload-activations" in flags, tiled_mlp="--tiled-mlp" in flags,
-        kv_repeated=False, expandable_segments=row.get("cuda_alloc_conf") == EXPANDABLE)
-    return shape, setup
+    fields = dict(gpus_per_node=1, gpu_memory_GiB=H100.memory_GiB, micro_batch=row["micro_batch"],
+                  seq_len=row["seq_len"], gradient_checkpointing="--no-gradient-checkpointing" not in flags,
+                  recompute_every=number("--recompute-every", 1), loss_chunks=number("--loss-chunks", LOSS_CHUNKS),
+                  offload_activations="--offload-activations" in flags, tiled_mlp="--tiled-mlp" in flags,
+                  kv_repeated=False, expandable_segments=row.get("cuda_alloc_conf") == EXPANDABLE)
+    if "fsdp" in config_file:
+        return shape, setup_for_fsdp2(**fields)
+    ds_config = json.loads((root / "recipes" / case.recipe / config_file.replace(".yaml", ".json")).read_text())
+    return shape, setup_from_deepspeed(ds_config, **fields)
 
 
 def measured(results: Path) -> list[Measured]:
@@ -67,7 +75,7 @@ def measured(results: Path) -> list[Measured]:
         summary = json.loads(path.read_text())
         for row in summary["cases"]:
             if row["status"] in ("ok", "out of memory"):
-                shape, setup = measured_setup(row, _root(results))
+                shape, setup = measured_setup(row, recipes_root(results))
                 out.append(Measured(path.stem, row, setup, shape, plan(shape, setup)))
     return out
 
@@ -129,7 +137,7 @@ def render(results: Path) -> list[str]:
     return lines
 
 
-def _root(results: Path) -> Path:
+def recipes_root(results: Path) -> Path:
     """The repository whose recipes' launch configs the rows ran: the results folder's own, else the one found here."""
     from finetune_tools.paths import find_root, is_root
 
