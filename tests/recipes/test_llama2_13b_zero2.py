@@ -229,13 +229,20 @@ def split_run(recipe_copy, tiny_llama2, tmp_path_factory):
     return start
 
 
+PACKED_SPLITS = ((1, 8, 1), (2, 2, 2))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama2):
     """The Trainer counts the labelled tokens of the accumulated micro-batches on every rank
     (``num_items_in_batch``, ``average_tokens_across_devices``), and our loss takes the count: 1 x 8 x 1,
-    1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation) train one model under DeepSpeed."""
-    split_run.ahead(SPLITS, *(["--pack"] if packed else []))
-    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in SPLITS}
+    1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation) train one model under DeepSpeed.
+    Packed rows, whose tokens per micro-batch differ from rank to rank and from one accumulation step to the next:
+    1 x 8 x 1 against 2 x 2 x 2, which splits across ranks and accumulation at once (the padded rows run all four),
+    as the 8B recipe's test does."""
+    splits = PACKED_SPLITS if packed else SPLITS
+    split_run.ahead(splits, *(["--pack"] if packed else []))
+    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in splits}
     assert_one_model_for_every_split(runs, tiny_llama2)
 
 
