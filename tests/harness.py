@@ -346,6 +346,9 @@ def assert_ranks_disjoint(run_info: dict, world: int = 2) -> None:
 
 # ranks x micro-batch x accumulation: the same 8 sequences in every optimizer step
 SPLITS = ((1, 8, 1), (1, 2, 4), (2, 2, 2), (2, 4, 1))
+# packed rows, whose tokens per micro-batch differ from rank to rank and from one accumulation step to the next:
+# 1 x 8 x 1 against 2 x 2 x 2, which splits across ranks and accumulation at once (padded rows run all four)
+PACKED_SPLITS = ((1, 8, 1), (2, 2, 2))
 # Measured with the loss over each step's labelled tokens (tiny Llama 3, the 8B recipe's tests, 4 steps of the
 # shipped sample, AMD EPYC): every split's per-step losses within 7.5e-5 of 1 x 8 x 1 (padded, packed, FSDP2; 1.5e-4
 # at another seed), its weight update within 1.2e-2 (relative, L2): the same sums in another order, then bf16 weights

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.harness import (
+    PACKED_SPLITS,
     REPO,
     SAMPLE,
     SAMPLES,
@@ -227,9 +228,6 @@ def split_run(recipe_copy, tiny_llama2, tmp_path_factory):
 
     start.ahead = ahead
     return start
-
-
-PACKED_SPLITS = ((1, 8, 1), (2, 2, 2))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

@@ -167,7 +167,7 @@ def test_an_8b_job_at_its_time_limit_is_signalled_checkpoints_and_requeues(clust
     job = cluster.sbatch(["--time=3", "--signal=USR1@90", "slurm/train.sbatch"], cwd=recipe,
                          env={**launch_env(), "MODEL": str(tiny_llama3), "DATA": str(SAMPLE), "OUTPUT": str(output),
                               "NUM_GPUS": "1", "TRAIN_ARGS": " ".join(train_args)})
-    deadline = time.monotonic() + 600  # the signal comes 90 to 150 s in; then a save, the requeue and a start-up
+    deadline = time.monotonic() + 600  # the signal 30 to 90 s in, then a save, the requeue, a start-up
     while cluster.job(job)["Restarts"] == "0":  # COMPLETING: the stopped run's end, before Slurm requeues it
         assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ENDED_OR_ON_ITS_WAY_BACK, \
             cluster.job(job)
