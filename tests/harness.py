@@ -110,6 +110,24 @@ def accelerate_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launch
     return run_command(accelerate_command(*args, config=config, nproc=nproc, launcher_args=launcher_args), cwd, timeout)
 
 
+def warm_run(cmd: list[str], cwd: Path, timeout: int = 900, extra: dict | None = None) -> subprocess.CompletedProcess:
+    """An :func:`accelerate_command` run from ``cwd`` with its ranks forked from a process that imported the stack
+    once (tests/warm_launch.py): the same ranks, environment and results as :func:`run_command`'s, without each
+    process's start-up. For tests of what the ranks compute; the launcher's own behaviour is tested with real ones."""
+    from tests import launch_times, warm_launch
+
+    start = time.monotonic()
+    try:
+        return warm_launch.run(cmd, cwd, launch_env(extra), timeout)
+    finally:
+        launch_times.count(time.monotonic() - start)
+
+
+def warm_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launcher_args=(), timeout: int = 900):
+    """:func:`accelerate_launch`, its ranks warm (:func:`warm_run`)."""
+    return warm_run(accelerate_command(*args, config=config, nproc=nproc, launcher_args=launcher_args), cwd, timeout)
+
+
 def run_and_signal(cmds: list[list[str]], cwd: Path, output: Path, after_step: int, signalled: tuple[int, ...] = (0,),
                    sig: int = signal.SIGTERM, ranks_only: bool = False, timeout: int = 900,
                    env: dict | None = None, watched: tuple[int, ...] | None = None,
@@ -255,9 +273,16 @@ def launch_nodes(cwd: Path, commands: list[list[str]], envs: list[dict | None], 
     return wait_all(procs, timeout)
 
 
-def side_by_side(launches: list[tuple[Path, list[str]]], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+def side_by_side(launches: list[tuple[Path, list[str]]], timeout: int = 900,
+                 warm: bool = False) -> list[subprocess.CompletedProcess]:
     """Each ``(cwd, command)`` started at once, all finished: for one-process launches, each on a core of its
-    own (most of a short launch is its interpreter's start-up, on one core). Give each its own port."""
+    own (most of a short launch is its interpreter's start-up, on one core). Give each its own port. ``warm``:
+    their ranks warm (:func:`warm_run`), a third item of a launch its extra environment."""
+    if warm:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(launches)) as pool:
+            return list(pool.map(lambda launch: warm_run(launch[1], launch[0], timeout, *launch[2:]), launches))
     procs = [subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=launch_env()) for cwd, cmd in launches]
     return wait_all(procs, timeout)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 RECORD = ".nox/launches.jsonl"
+_active: LaunchClock | None = None  # the installed clock, which launches started without Popen add to
 
 
 def is_launch(args) -> bool:
@@ -64,11 +65,26 @@ class LaunchClock:
 
         popen.__init__, popen.wait, popen.poll = timed_init, timed_wait, timed_poll
         self._patched = (init, wait, poll)
+        global _active
+        _active = self
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
 
     def uninstall(self) -> None:
         if self._patched:
             subprocess.Popen.__init__, subprocess.Popen.wait, subprocess.Popen.poll = self._patched
             self._patched = None
+        global _active
+        if _active is self:
+            _active = None
+
+
+def count(seconds: float) -> None:
+    """A launch that took ``seconds`` and started no process through Popen (tests/warm_launch.py's ranks)."""
+    if _active is not None:
+        _active.add(seconds)
 
 
 def step_seconds(folder: Path) -> tuple[int, float]:

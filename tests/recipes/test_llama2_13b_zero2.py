@@ -38,7 +38,6 @@ from tests.harness import (
     bad_input_args,
     checked,
     free_port,
-    launch_env,
     losses,
     make_target,
     read_metrics,
@@ -51,6 +50,7 @@ from tests.harness import (
     side_by_side,
     split_args,
     wait_all,
+    warm_run,
     write_jsonl,
 )
 
@@ -70,8 +70,12 @@ def sizes(model: Path, micro: int = 1, accum: int = 4) -> list[str]:
             "--learning_rate", "1e-3", "--samples", "0"]  # sample answers only where a test reads them
 
 
-def launch(cwd: Path, *args: str, launcher: str = "deepspeed", config: str = "configs/zero2.json", nproc: int = 2):
-    """The README's launch commands (either launcher), with a free rendezvous port."""
+def launch(cwd: Path, *args: str, launcher: str = "deepspeed", config: str = "configs/zero2.json", nproc: int = 2,
+           warm: bool = False):
+    """The README's launch commands (either launcher), with a free rendezvous port; ``warm``: its ranks forked from a
+    process that imported the stack once (tests/warm_launch.py), for what the ranks compute."""
+    if warm:
+        return warm_run(script_command("--deepspeed", config, *args, launcher=launcher, nproc=nproc), cwd)
     return script_launch(cwd, "--deepspeed", config, *args, launcher=launcher, nproc=nproc)
 
 
@@ -214,14 +218,14 @@ def split_run(recipe_copy, tiny_llama2, tmp_path_factory):
     def start(ranks: int, micro: int, accum: int, *extra: str) -> Path:
         if (ranks, micro, accum, extra) not in done:
             command, output = planned(ranks, micro, accum, *extra)
-            assert_finished(run_command(command, recipe_copy), 4)
+            assert_finished(warm_run(command, recipe_copy), 4)
             done[ranks, micro, accum, extra] = output
         return done[ranks, micro, accum, extra]
 
     def ahead(splits, *extra: str) -> None:
         todo = {(*split, extra): planned(*split, *extra) for split in splits
                 if split[0] == 1 and (*split, extra) not in done}
-        for key, proc in zip(todo, side_by_side([(recipe_copy, command) for command, _ in todo.values()]),
+        for key, proc in zip(todo, side_by_side([(recipe_copy, command) for command, _ in todo.values()], warm=True),
                              strict=True):
             assert_finished(proc, 4)
             done[key] = todo[key][1]
@@ -260,7 +264,8 @@ def test_both_launchers_give_the_same_losses(run, short_run):
 def test_resume_reproduces_the_later_steps(run, recipe_copy, tiny_llama2, tmp_path):
     output = tmp_path / "resumed"
     proc = launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
-                  "--save_steps", str(SAVE_EVERY), "--resume_from_checkpoint", str(run / f"checkpoint-{SAVE_EVERY}"))
+                  "--save_steps", str(SAVE_EVERY), "--resume_from_checkpoint", str(run / f"checkpoint-{SAVE_EVERY}"),
+                  warm=True)
     assert_finished(proc, STEPS)
     assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
 
@@ -307,7 +312,7 @@ def test_the_trainer_run_answers_samples_and_saves_a_chat_ready_folder_with_its_
 
 def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, tmp_path):
     """One optimizer step on one process per format besides prompt/response (the runs above), packed;
-    the four single-process launches run side by side (most of each is interpreter start-up). The chat
+    the four single-process launches run side by side, their ranks warm. The chat
     one also reports to TensorBoard through the Trainer's --report_to; the alpaca one serves Prometheus
     metrics (tests/recipes/test_live_metrics.py scrapes the accelerate loop's)."""
     from finetune_kit.metering.run_record import RunRecord
@@ -316,17 +321,15 @@ def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, 
     served = {"alpaca": {"FINETUNE_METRICS_PORT": str(free_port()), "FINETUNE_METRICS_ADDR": "127.0.0.1"}}
 
     samples = ["chat", "sharegpt", "alpaca", "prompt_completion"]
-    procs = {sample: subprocess.Popen(
-        script_command("--deepspeed", "configs/zero2.json", "--model", str(tiny_llama2),
-                       "--data", str(SAMPLES / f"{sample}.jsonl"), "--max_seq_len", str(MAX_SEQ_LEN),
-                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_steps", "1",
-                       "--save_strategy", "no", "--eval_fraction", "0", "--pack", "--output_dir",
-                       str(tmp_path / sample), *tracked.get(sample, ()), nproc=1),
-        cwd=recipe_copy, env=launch_env(served.get(sample)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for sample in samples}
-    for sample, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert_finished(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), 1, sample)
+    procs = side_by_side([(recipe_copy, script_command(
+        "--deepspeed", "configs/zero2.json", "--model", str(tiny_llama2), "--data", str(SAMPLES / f"{sample}.jsonl"),
+        "--max_seq_len", str(MAX_SEQ_LEN), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+        "--max_steps", "1", "--save_strategy", "no", "--eval_fraction", "0", "--pack", "--output_dir",
+        str(tmp_path / sample), *tracked.get(sample, ()), nproc=1), served.get(sample)) for sample in samples],
+        warm=True)
+    for sample, proc in zip(samples, procs, strict=True):
+        assert_finished(proc, 1, sample)
+        stdout = proc.stdout
         data = RunRecord.read(tmp_path / sample / "run_record.json").data
         assert data.chat_template == "llama2"
         assert data.format == {"chat": "messages"}.get(sample, sample.replace("_", "-"))
@@ -388,7 +391,7 @@ def fp16_run(recipe_copy, tiny_llama2, tmp_path_factory) -> tuple[subprocess.Com
         pytest.skip("DeepSpeed's CPU accelerator has no fp16 on this CPU (oneDNN without fp16 kernels)")
     output = tmp_path_factory.mktemp("runs") / "fp16"
     proc = launch(recipe_copy, *sizes(tiny_llama2), "--output_dir", str(output), "--max_steps", str(STEPS),
-                  "--save_strategy", "no", config="configs/zero2-fp16.json")
+                  "--save_strategy", "no", config="configs/zero2-fp16.json", warm=True)
     assert_finished(proc, STEPS)
     return proc, output
 

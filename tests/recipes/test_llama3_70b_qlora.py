@@ -51,11 +51,12 @@ from tests.harness import (
     read_metrics,
     read_run_info,
     run_and_signal,
-    run_command,
     side_by_side,
     split_args,
     two_hosts,
     wait_all,
+    warm_launch,
+    warm_run,
 )
 
 pytestmark = pytest.mark.recipe
@@ -84,11 +85,15 @@ def node_command(config: str, main_ip: str, port: int, args, nproc: str = "2") -
 
 
 def launch_two_nodes(cwd: Path, *args: str, main_ip: str = "127.0.0.1", prefixes=((), ()), env=(None, None),
-                     worker_config: str = WORKER, worker_nproc: str = "2", timeout: int = 600):
-    """Start main and worker together; return both finished processes (stdout, stderr, returncode)."""
+                     worker_config: str = WORKER, worker_nproc: str = "2", timeout: int = 600, warm: bool = False):
+    """Start main and worker together; return both finished processes (stdout, stderr, returncode). ``warm``: each
+    node's rank forked from a process that imported the stack once (tests/warm_launch.py), for what they compute."""
     port = free_port()
     commands = [[*prefix, *node_command(config, main_ip, port, args, nproc)]
                 for config, nproc, prefix in zip((MAIN, worker_config), ("2", worker_nproc), prefixes, strict=True)]
+    if warm:
+        return side_by_side([(cwd, command, extra) for command, extra in zip(commands, env, strict=True)],
+                            timeout=timeout, warm=True)
     return launch_nodes(cwd, commands, list(env), timeout=timeout)
 
 
@@ -229,7 +234,7 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     output = tmp_path / "resumed"
     nodes = launch_two_nodes(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
                              "--save-every", str(SAVE_EVERY),
-                             "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), "--merge")
+                             "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"), "--merge", warm=True)
     assert_ok(nodes)
     assert f"at step {SAVE_EVERY}" in nodes[0].stdout
     assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
@@ -365,9 +370,9 @@ def test_a_two_node_checkpoint_resumes_on_one_rank(run, recipe_copy, tiny_llama3
     """2 ranks on two nodes -> 1 rank with twice the accumulation (the same global batch): LoRA, head,
     optimizer and schedule come from DeepSpeed's universal checkpoint, the 4-bit base from --model."""
     output = tmp_path / "one-rank"
-    proc = accelerate_launch(recipe_copy, *sizes(tiny_llama3), "--grad-accum", "4", "--output", str(output),
-                             "--max-steps", str(STEPS), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"),
-                             config=MAIN, nproc=1, launcher_args=("--num_machines", "1"), timeout=300)
+    proc = warm_launch(recipe_copy, *sizes(tiny_llama3), "--grad-accum", "4", "--output", str(output),
+                       "--max-steps", str(STEPS), "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}"),
+                       config=MAIN, nproc=1, launcher_args=("--num_machines", "1"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "was saved by 2 ranks; converting it for 1" in proc.stdout
     assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS, atol=5e-4)
@@ -392,9 +397,9 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
         if (ranks, micro, accum) not in done:
             args, output = args_of(ranks, micro, accum)
             if ranks == 2:
-                assert_ok(launch_two_nodes(recipe_copy, *args))
+                assert_ok(launch_two_nodes(recipe_copy, *args, warm=True))
             else:
-                assert_finished(run_command(one_rank(args), recipe_copy, timeout=300), 4)
+                assert_finished(warm_run(one_rank(args), recipe_copy, timeout=300), 4)
             done[ranks, micro, accum] = output
         return done[ranks, micro, accum]
 
@@ -402,7 +407,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
         todo = {split: args_of(*split) for split in splits if split[0] == 1 and split not in done}
         commands = [(recipe_copy, one_rank(args, ("--main_process_port", str(free_port()))))
                     for args, _ in todo.values()]
-        for split, proc in zip(todo, side_by_side(commands, timeout=300), strict=True):
+        for split, proc in zip(todo, side_by_side(commands, timeout=300, warm=True), strict=True):
             assert_finished(proc, 4)
             done[split] = todo[split][1]
 

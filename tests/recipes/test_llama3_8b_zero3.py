@@ -61,6 +61,8 @@ from tests.harness import (
     side_by_side,
     split_args,
     wait_all,
+    warm_launch,
+    warm_run,
     write_jsonl,
 )
 
@@ -83,8 +85,11 @@ def sizes(model: Path, data: Path = SAMPLE) -> list[str]:
 SAMPLES_ON = ("--samples", "4")  # the recipe's default
 
 
-def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int = 2):
-    return accelerate_launch(cwd, *args, config=config, nproc=nproc)
+def launch(cwd: Path, *args: str, config: str = "configs/zero3.yaml", nproc: int = 2, warm: bool = True):
+    """``accelerate launch`` of train.py from ``cwd``; ``warm``: its ranks forked from a process that imported the
+    stack once (tests/warm_launch.py), for what the ranks compute; not ``warm`` where the launcher's behaviour is
+    tested (the README's command is tested as such by the module's main run)."""
+    return (warm_launch if warm else accelerate_launch)(cwd, *args, config=config, nproc=nproc)
 
 
 SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU collectives, one per rank in /dev/shm
@@ -180,6 +185,26 @@ def test_the_readme_make_command_trains_like_the_launch(fresh_launch, tiny_llama
 
 
 @pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="would rewrite the golden file with its losses")
+def test_a_warm_launch_trains_the_model_the_readme_launch_trained(run, recipe_copy, tiny_llama3, tmp_path):
+    """The tests that compare what ranks compute launch warm (tests/warm_launch.py: ranks forked from a process that
+    imported the stack once). Given the module's main run's arguments, a warm launch logs the same losses, gradient
+    norms and learning rates, answers the held-out prompts the same, and saves the same model, byte for byte."""
+    output = tmp_path / "warm"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS),
+                  "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", *SAMPLES_ON, "--sample-before")
+    assert_finished(proc, STEPS)
+
+    def logged(folder: Path) -> list[tuple]:
+        return [(m["step"], m["loss"], m["grad_norm"], m["lr"]) for m in read_metrics(folder)]
+
+    def answers(folder: Path) -> list[tuple]:
+        return [(row["example_id"], row["before"], row["answer"]) for row in read_jsonl(folder / "samples.jsonl")]
+
+    assert logged(output) == logged(run)
+    assert answers(output) == answers(run) and answers(run)
+    assert (output / "model/model.safetensors").read_bytes() == (run / "model/model.safetensors").read_bytes()
+
+
 def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tiny_llama3, tmp_path):
     """The golden comparison's negative control: the same run with a 1% higher learning rate fails it."""
     output = tmp_path / "lr-plus-1-percent"
@@ -532,19 +557,15 @@ def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
 
 def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
     """One optimizer step on one process per remaining format (messages and prompt/response run above);
-    the three single-process launches run side by side (most of each is interpreter start-up)."""
+    the three single-process launches run side by side, their ranks warm."""
     samples = ["sharegpt", "alpaca", "prompt_completion"]
-    procs = {sample: subprocess.Popen(
-        accelerate_command("--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"),
-                           "--max-seq-len", "128", "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
-                           "--save-every", "0", "--eval-fraction", "0", "--output", str(tmp_path / sample),
-                           config="configs/zero3.yaml", nproc=1,
-                           launcher_args=("--main_process_port", str(free_port()))),
-        cwd=recipe_copy, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for sample in samples}
-    for sample, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert_finished(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), 1, sample)
+    procs = side_by_side([(recipe_copy, accelerate_command(
+        "--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"), "--max-seq-len", "128",
+        "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1", "--save-every", "0", "--eval-fraction", "0",
+        "--output", str(tmp_path / sample), config="configs/zero3.yaml", nproc=1)) for sample in samples], warm=True)
+    for sample, proc in zip(samples, procs, strict=True):
+        assert_finished(proc, 1, sample)
+        stdout = proc.stdout
         assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in stdout
 
 
@@ -589,7 +610,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
         key = key_of(ranks, micro, accum, *extra, **kwargs)
         if key not in done:
             cwd, command, output = planned(ranks, micro, accum, *extra, **kwargs)
-            assert_finished(run_command(command, cwd), 4)
+            assert_finished(warm_run(command, cwd), 4)
             done[key] = output
         return done[key]
 
@@ -600,8 +621,8 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
             if ranks == 1 and key not in done and key not in todo:
                 todo[key] = planned(ranks, micro, accum, *extra, **kwargs,
                                     launcher_args=("--main_process_port", str(free_port())))
-        for (key, (_, _, output)), proc in zip(todo.items(), side_by_side([(c, cmd) for c, cmd, _ in todo.values()]),
-                                               strict=True):
+        launches = [(c, cmd) for c, cmd, _ in todo.values()]
+        for (key, (_, _, output)), proc in zip(todo.items(), side_by_side(launches, warm=True), strict=True):
             assert_finished(proc, 4)
             done[key] = output
 
@@ -823,7 +844,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
 
     partial = output / f"checkpoints/step_{STEPS:06d}.partial"
     shutil.copytree(run / f"checkpoints/step_{STEPS:06d}", partial, ignore=shutil.ignore_patterns("*.json"))
-    relaunched = launch(recipe_copy, *args)
+    relaunched = launch(recipe_copy, *args, warm=False)
     assert_finished(relaunched, STEPS, "relaunch")
     assert f"removed {partial}: a checkpoint save that never completed" in relaunched.stdout
     assert f"at step {step}" in relaunched.stdout
@@ -921,7 +942,7 @@ def test_the_slurm_script_stops_on_usr1_and_requeues_itself(run, recipe_copy, ti
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), "--max-steps", "2", nproc=1)
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), "--max-steps", "2", nproc=1, warm=False)
     assert_refused_to_overwrite(proc, run / "checkpoints", before)
 
 
@@ -931,7 +952,8 @@ def test_batch_sizes_contradicting_the_launch_fail_before_training(recipe_copy, 
     (recipe_copy / "configs/bad.json").write_text(json.dumps(bad))
     yaml_text = (recipe_copy / "configs/zero3.yaml").read_text().replace("configs/zero3.json", "configs/bad.json")
     (recipe_copy / "configs/bad.yaml").write_text(yaml_text)
-    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/bad.yaml")
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--output", str(tmp_path / "out"), config="configs/bad.yaml",
+                  warm=False)
     assert_failed_early(proc, "train_batch_size = 64", "= 16")
     assert not (tmp_path / "out").exists()  # failed before anything was written
 

@@ -31,12 +31,14 @@ def test_the_clock_counts_and_times_launches_and_nothing_else(tmp_path):
         while proc.poll() is None:  # seen ending through poll
             pass
         subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3)"], check=True)  # not a launch
+        launch_times.count(2.0)  # a launch of ranks forked warm (tests/warm_launch.py), timed by its caller
     finally:
         clock.uninstall()
-    assert clock.count == 2
-    assert 0.6 <= clock.seconds < 5, clock.seconds
+    assert clock.count == 3
+    assert 2.6 <= clock.seconds < 7, clock.seconds
     subprocess.run([sys.executable, str(script)], check=True)  # uninstalled: not counted
-    assert clock.count == 2
+    launch_times.count(2.0)
+    assert clock.count == 3
 
 
 def test_the_steps_seconds_are_summed_over_every_metrics_file(tmp_path):
