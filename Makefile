@@ -90,13 +90,13 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # First lint, stack and unit, one after another. Then two lanes side by side, each one session after another:
 # the 8B recipe's session, the longest, then the GPU check and the wheelhouse (MAIN_SESSIONS); beside them
 # SIDE_SESSIONS, their output in .nox/side.log, printed when they end. A session that runs one launch at a time
-# keeps about one core of two busy (the 8B one: 24.6 CPU minutes in 28 minutes on a 2-core EPYC). Last, the
-# rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs are timed by the
-# clock, and the NVMe session, whose op compiles in the background until then. Two jobs run in the background, at
-# the lowest CPU and disk priority, on the CPU the sessions leave idle: from when the shared environment exists
-# (the stack session), DeepSpeed's ops compile into it (the ops session: a rank that needs one meanwhile waits
-# for it); after unit, the last session's images build, which the image session then finds in podman's layer
-# cache. Every session runs whatever failed before it; the exit status says if any did.
+# keeps about one core of two busy (the 8B one: 22.5 CPU minutes in 26 minutes on a 2-core EPYC, beside the
+# others). Last, the rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs
+# are timed by the clock, and the NVMe session, whose op compiles in the background until then. Two jobs run in
+# the background, at the lowest CPU and disk priority, on the CPU the sessions leave idle: from when the shared
+# environment exists (the stack session), DeepSpeed's ops compile into it (the ops session: a rank that needs one
+# meanwhile waits for it); after unit, the last session's images build, which the image session then finds in
+# podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 \
   test-llama3-70b-qlora kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
 MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse
