@@ -111,9 +111,10 @@ def accelerate_launch(cwd: Path, *args: str, config: str, nproc: int = 2, launch
 
 
 def warm_run(cmd: list[str], cwd: Path, timeout: int = 900, extra: dict | None = None) -> subprocess.CompletedProcess:
-    """An :func:`accelerate_command` run from ``cwd`` with its ranks forked from a process that imported the stack
-    once (tests/warm_launch.py): the same ranks, environment and results as :func:`run_command`'s, without each
-    process's start-up. For tests of what the ranks compute; the launcher's own behaviour is tested with real ones."""
+    """A launch command (:func:`accelerate_command`, :func:`script_command`) run from ``cwd`` with its ranks forked
+    from a process that imported the stack once (tests/warm_launch.py): the same ranks, environment and results as
+    :func:`run_command`'s, without each process's start-up. For tests of what the ranks compute; the launcher's own
+    behaviour is tested with real ones."""
     from tests import launch_times, warm_launch
 
     start = time.monotonic()

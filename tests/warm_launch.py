@@ -246,9 +246,7 @@ def rank_environments(cwd: Path, launcher: list[str], logs: Path) -> list[tuple[
     dumps.mkdir()
     pid = os.fork()
     if pid == 0:
-        fd = os.open(logs / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        _output_to(logs / "launcher.log")
         os.chdir(cwd)
         os.environ[DUMP] = str(dumps)
         code = 0
@@ -284,9 +282,7 @@ def serve_agent_store(env: dict[str, str], logs: Path) -> int | None:
         return None
     pid = os.fork()
     if pid == 0:
-        fd = os.open(logs / "store.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        _output_to(logs / "store.log")
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -301,8 +297,7 @@ def serve_agent_store(env: dict[str, str], logs: Path) -> int | None:
 def run_rank(cwd: Path, env: dict[str, str], script: str, args: list[str], log: Path) -> None:
     """The rank: ``python -u SCRIPT ARGS`` from ``cwd`` in ``env``, its output in ``log.out`` and ``log.err``;
     exits with the script's status (an exception: its traceback and 1, as the interpreter does)."""
-    for fd, suffix in ((1, ".out"), (2, ".err")):
-        os.dup2(os.open(f"{log}{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    _output_to(Path(f"{log}.out"), Path(f"{log}.err"))
     sys.stdout.reconfigure(write_through=True)  # -u
     sys.stderr.reconfigure(write_through=True)
     os.chdir(cwd)
@@ -340,6 +335,12 @@ def run_rank(cwd: Path, env: dict[str, str], script: str, args: list[str], log: 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _output_to(out: Path, err: Path | None = None) -> None:
+    """This process's stdout into ``out``, its stderr into ``err`` (or ``out`` too)."""
+    for fd, path in ((1, out), (2, err or out)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
 
 
 def wait_ranks(pids: list[int]) -> list[int]:

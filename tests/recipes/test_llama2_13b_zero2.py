@@ -329,12 +329,11 @@ def test_every_format_trains_with_the_llama2_template(recipe_copy, tiny_llama2, 
         warm=True)
     for sample, proc in zip(samples, procs, strict=True):
         assert_finished(proc, 1, sample)
-        stdout = proc.stdout
         data = RunRecord.read(tmp_path / sample / "run_record.json").data
         assert data.chat_template == "llama2"
         assert data.format == {"chat": "messages"}.get(sample, sample.replace("_", "-"))
         assert read_metrics(tmp_path / sample)[0]["padding_fraction"] == 0  # packed: the Trainer got no padding
-        assert ("metrics endpoint: http://" in stdout) == (sample in served), sample  # the Trainer's too
+        assert ("metrics endpoint: http://" in proc.stdout) == (sample in served), sample  # the Trainer's too
     # --report_to: the Trainer's TensorBoard callback got metrics.jsonl's figures (under its "train/" prefix)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

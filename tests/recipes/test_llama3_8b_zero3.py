@@ -184,7 +184,6 @@ def test_the_readme_make_command_trains_like_the_launch(fresh_launch, tiny_llama
     assert alias.returncode == 0 and alias.stdout == same.stdout, alias.stderr
 
 
-@pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="would rewrite the golden file with its losses")
 def test_a_warm_launch_trains_the_model_the_readme_launch_trained(run, recipe_copy, tiny_llama3, tmp_path):
     """The tests that compare what ranks compute launch warm (tests/warm_launch.py: ranks forked from a process that
     imported the stack once). Given the module's main run's arguments, a warm launch logs the same losses, gradient
@@ -205,6 +204,7 @@ def test_a_warm_launch_trains_the_model_the_readme_launch_trained(run, recipe_co
     assert (output / "model/model.safetensors").read_bytes() == (run / "model/model.safetensors").read_bytes()
 
 
+@pytest.mark.skipif(bool(os.environ.get("UPDATE_GOLDEN")), reason="would rewrite the golden file with its losses")
 def test_golden_losses_catch_a_one_percent_learning_rate_change(recipe_copy, tiny_llama3, tmp_path):
     """The golden comparison's negative control: the same run with a 1% higher learning rate fails it."""
     output = tmp_path / "lr-plus-1-percent"
@@ -565,8 +565,7 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
         "--output", str(tmp_path / sample), config="configs/zero3.yaml", nproc=1)) for sample in samples], warm=True)
     for sample, proc in zip(samples, procs, strict=True):
         assert_finished(proc, 1, sample)
-        stdout = proc.stdout
-        assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in stdout
+        assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in proc.stdout
 
 
 # ---- one model, however the batch is split ----
