@@ -87,29 +87,35 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 	$(NOX) -s demo
 
 # make test runs noxfile.py's sessions (TEST_SESSIONS, checked against it by a unit test) in three stretches.
-# First lint, stack and unit, one after another. Then two lanes side by side, each one session after another:
+# First the stack session (the shared environment, one pip process: about one core of two busy), with lint beside
+# it, its output in .nox/lint.log; then unit. Then two lanes side by side, each one session after another:
 # the 8B recipe's session, the longest, then the GPU check and the wheelhouse (MAIN_SESSIONS); beside them
 # SIDE_SESSIONS, their output in .nox/side.log, printed when they end. A session that runs one launch at a time
 # keeps about one core of two busy (the 8B one: 22.5 CPU minutes in 26 minutes on a 2-core EPYC, beside the
 # others). Last, the rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs
 # are timed by the clock, and the NVMe session, whose op compiles in the background until then. Two jobs run in
-# the background, at the lowest CPU and disk priority, on the CPU the sessions leave idle: from when the shared
-# environment exists (the stack session), DeepSpeed's ops compile into it (the ops session: a rank that needs one
-# meanwhile waits for it); after unit, the last session's images build, which the image session then finds in
-# podman's layer cache. Every session runs whatever failed before it; the exit status says if any did.
+# the background, on the CPU the sessions leave idle, at the lowest disk priority: from the start, the last
+# session's images build (the image-build session, at the lowest CPU priority; it needs no shared environment),
+# which the image session then finds in podman's layer cache; from when the shared environment exists,
+# DeepSpeed's ops compile into it (the ops session, at a low CPU priority above the images': a rank that needs an
+# op meanwhile waits for it). Every session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 \
   test-llama3-70b-qlora kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
 MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse
 SIDE_SESSIONS := test-llama2-13b-zero2 test-llama3-70b-qlora kubernetes gpu-bundle
-low_priority = nice -n 19 $(if $(shell command -v ionice),ionice -c 3)
+idle_disk = $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
-	@rm -f .nox/session-times.jsonl .nox/launches.jsonl; failed=0; $(NOX) -s lint stack || failed=1; \
-	$(low_priority) $(NOX) -s ops > .nox/ops.log 2>&1 & ops=$$!; \
-	trap 'kill $$ops 2>/dev/null; exit 130' INT TERM; \
+	@mkdir -p .nox; rm -f .nox/session-times.jsonl .nox/launches.jsonl; failed=0; \
+	nice -n 19 $(idle_disk) $(NOX) -s image-build > .nox/image-build.log 2>&1 & images=$$!; \
+	$(NOX) -s lint > .nox/lint.log 2>&1 & lint=$$!; \
+	trap 'kill $$images $$lint 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s stack || failed=1; \
+	wait $$lint || failed=1; cat .nox/lint.log; \
+	nice -n 10 $(idle_disk) $(NOX) -s ops > .nox/ops.log 2>&1 & ops=$$!; \
+	trap 'kill $$images $$ops 2>/dev/null; exit 130' INT TERM; \
 	$(NOX) -s unit || failed=1; \
-	$(low_priority) $(NOX) -s image-build > .nox/image-build.log 2>&1 & images=$$!; \
 	$(NOX) -s $(SIDE_SESSIONS) > .nox/side.log 2>&1 & side=$$!; \
-	trap 'kill $$ops $$images $$side 2>/dev/null; exit 130' INT TERM; \
+	trap 'kill $$images $$ops $$side 2>/dev/null; exit 130' INT TERM; \
 	$(NOX) -s $(MAIN_SESSIONS) || failed=1; \
 	wait $$side || failed=1; cat .nox/side.log; \
 	$(NOX) -s $(filter-out lint stack unit $(MAIN_SESSIONS) $(SIDE_SESSIONS) image,$(TEST_SESSIONS)) || failed=1; \

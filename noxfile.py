@@ -268,9 +268,11 @@ def image(session: nox.Session) -> None:
 @nox.session(name="image-build", venv_backend="none", default=False)
 @timed
 def image_build(session: nox.Session) -> None:
-    """The image session's two images built ahead (make test runs this in the background while the
-    recipes' sessions run; the image session then takes them from podman's layer cache)."""
-    run_in_stack(session, "python", "-m", "tests.container.images")
+    """The image session's two images built ahead (make test runs this in the background from its start; the image
+    session then takes them from podman's layer cache). Needs no shared environment: nox's own Python runs it (and
+    fetches the image's wheelhouse with its pip), so it starts while the lint and stack sessions leave a core idle."""
+    session.run(sys.executable, "-m", "tests.container.images", external=True,
+                env={"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
 
 
 @nox.session(default=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.harness import ensure_debian_packages
+from tests.debian import ensure_debian_packages
 from tests.op_compiler import OBJECTS, op_compiler
 
 # builder class names, in the order make test's sessions first load them

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness import ensure_debian_packages, netns_unavailable, two_hosts
+from tests.debian import ensure_debian_packages
+from tests.harness import netns_unavailable, two_hosts
 
 PACKAGES = {"slurmctld": ("slurmctld", "slurmd", "slurm-client", "munge"), "slurmdbd": ("slurmdbd",),
             "mariadbd": ("mariadb-server",)}  # a command each installs: its packages

@@ -2,9 +2,10 @@
 (docker/Dockerfile on a Debian base standing in for the CUDA one, from a wheelhouse of the CPU lock)
 and the 8B recipe's image on top.
 
-``python -m tests.container.images`` builds them ahead: ``make test`` runs it in the background, at
-the lowest CPU and disk priority, while the recipes' sessions run; the image session's builds then come
-from podman's layer cache, with the log of the build that ran (:func:`tests.container.podman.build`).
+``python -m tests.container.images`` builds them ahead: ``make test`` runs it in the background from its start, at
+the lowest CPU and disk priority, with nox's own Python (this module and podman's need only the standard library);
+the image session's builds then come from podman's layer cache, with the log of the build that ran
+(:func:`tests.container.podman.build`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import time
 
 from tests.container import podman as pm
-from tests.harness import REPO
+from tests.container.podman import REPO
 
 LOCK = "docker/requirements-cpu.lock"
 WHEELHOUSE = ".nox/image-wheelhouse"  # inside the build context (.dockerignore lets it through)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
-from tests.harness import REPO, ensure_debian_packages
+from tests.debian import ensure_debian_packages
+
+REPO = Path(__file__).resolve().parents[2]
 
 HOME = REPO / ".nox/podman"
 PACKAGES = ("debootstrap", "podman", "buildah", "uidmap", "catatonit", "runc")

@@ -18,12 +18,12 @@ import urllib.request
 
 import pytest
 
+from tests.debian import ensure_debian_packages
 from tests.harness import (
     REPO,
     SAMPLE,
     accelerate_command,
     assert_finished,
-    ensure_debian_packages,
     free_port,
     launch_env,
     read_metrics,

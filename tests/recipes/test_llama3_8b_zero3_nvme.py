@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.debian import ensure_debian_packages
 from tests.harness import (
     REPO,
     SAMPLE,
     accelerate_launch,
     assert_finished,
     assert_resumed_like_uninterrupted,
-    ensure_debian_packages,
     losses,
 )
 

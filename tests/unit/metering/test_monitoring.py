@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from finetune_kit.metering import prometheus
-from tests.harness import REPO, ensure_debian_packages
+from tests.debian import ensure_debian_packages
+from tests.harness import REPO
 
 MONITORING = REPO / "docker/monitoring"
 DASHBOARD = MONITORING / "grafana/dashboards/finetune.json"
