@@ -843,7 +843,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
 
     partial = output / f"checkpoints/step_{STEPS:06d}.partial"
     shutil.copytree(run / f"checkpoints/step_{STEPS:06d}", partial, ignore=shutil.ignore_patterns("*.json"))
-    relaunched = launch(recipe_copy, *args, warm=False)
+    relaunched = launch(recipe_copy, *args)  # the signalled launch was real; the resumed ranks' work is compared
     assert_finished(relaunched, STEPS, "relaunch")
     assert f"removed {partial}: a checkpoint save that never completed" in relaunched.stdout
     assert f"at step {step}" in relaunched.stdout
@@ -873,7 +873,7 @@ def test_a_job_killed_whole_twice_resumes_bit_for_bit_and_a_second_launch_meanwh
     assert first.returncode == -signal.SIGKILL
     with killed_whole_after(command, recipe_copy, killed, step=9):  # resumes from step 8: mid-epoch
         pass
-    last = run_command(command, recipe_copy)
+    last = warm_run(command, recipe_copy)  # the killed launches were real; the resumed ranks' work is compared
     assert_finished(last, 12)
     assert "resumed from " in last.stdout and "step_000008 at step 8" in last.stdout, last.stdout[-2000:]
     want = {m["step"]: m["loss"] for m in read_metrics(straight)}
@@ -1163,7 +1163,7 @@ def test_make_demo_shows_the_model_learned(tmp_path):
 def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llama3, tmp_path, monkeypatch):
     """A 2-rank checkpoint resumed by 1 rank with the NVMe config (its swap files are per rank)."""
     from finetune_kit.errors import UserInputError
-    from tests.harness import ensure_debian_packages
+    from tests.debian import ensure_debian_packages
 
     ensure_debian_packages("libaio-dev", present="/usr/include/libaio.h")  # the NVMe input checks need libaio
     config = json.loads((RECIPE / "configs/zero3-nvme.json").read_text())
