@@ -53,10 +53,7 @@ def stack(session: nox.Session) -> dict[str, str]:
         session.log(f"building the shared environment {STACK} from {', '.join(LOCKS)}")
         shutil.rmtree(STACK, ignore_errors=True)
         session.run(sys.executable, "-m", "venv", str(STACK), external=True)
-        # no bytecode: pip's compile of every module (19,000 files) is about a minute of one core on a 2-core EPYC,
-        # and nothing else runs until this environment exists; each module is compiled when first imported instead
-        session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", env={**env, "PIP_COMPILE": "0"},
-                    external=True)
+        session.run("bash", str(ROOT / "docker/install-python-deps.sh"), "--dev", env=env, external=True)
         stamp.write_text(digest)
     installed, source = STACK / "package.sha256", package_digest()
     if not installed.is_file() or installed.read_text() != source:  # once per change of the packages' files

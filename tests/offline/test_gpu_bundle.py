@@ -88,10 +88,7 @@ def host() -> dict:
             if "==" in line and not line.startswith(own)]
     constraints = WORK / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
-    # without bytecode (--no-compile): pip's compile of every module of these libraries is CPU spent on files the
-    # smoke never imports; what it imports is compiled then
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(constraints),
-                    *HOST_LIBRARIES], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-c", str(constraints), *HOST_LIBRARIES], check=True)
     # as on the hosts described: no pydantic (pip brings it for the newest typer, which such images predate)
     subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "--yes", "pydantic", "pydantic-core"], check=True)
     made = subprocess.run(["bash", str(REPO / "docker/build-gpu-bundle.sh"), "--host-python", str(py), *EXTRAS,
