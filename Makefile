@@ -94,11 +94,13 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # keeps about one core of two busy (the 8B one: 22.5 CPU minutes in 26 minutes on a 2-core EPYC, beside the
 # others). Last, the rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs
 # are timed by the clock, and the NVMe session, whose op compiles in the background until then. Two jobs run in
-# the background, on the CPU the sessions leave idle, at the lowest disk priority: from the start, the last
-# session's images build (the image-build session, at the lowest CPU priority; it needs no shared environment),
-# which the image session then finds in podman's layer cache; from when the shared environment exists,
-# DeepSpeed's ops compile into it (the ops session, at a low CPU priority above the images': a rank that needs an
-# op meanwhile waits for it). Every session runs whatever failed before it; the exit status says if any did.
+# the background, at the lowest disk priority: from the start, the last session's images build (the image-build
+# session, at the lowest CPU priority; it needs no shared environment), which the image session then finds in
+# podman's layer cache; from when the shared environment exists, DeepSpeed's ops compile into it (the ops session,
+# at a low CPU priority above the images': a rank that needs an op meanwhile waits for it). The wheelhouse fetch and
+# the Debian base of the images use the core the stack session leaves idle; the build's RUN steps run in cgroups of
+# podman's own, beyond the nice value's reach, with the lowest CPU share instead (tests/container/podman.py). Every
+# session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 \
   test-llama3-70b-qlora kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
 MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse

@@ -82,7 +82,11 @@ def build(env: dict, dockerfile: str, tag: str, **build_args: str) -> str:
     builds the images in the background first), so the log of the build whose steps ran is kept under
     .nox/podman/build-logs, by image ID, and returned for a build served from the cache."""
     args = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
-    command = ["build", "--format", "docker", "--pull=never", "--network", "host", "-f", dockerfile, *args, "-t", tag]
+    command = ["build", "--format", "docker", "--pull=never", "--network", "host", "-f", dockerfile, *args, "-t", tag,
+               # the lowest CPU share: each RUN step runs in a cgroup of its own, which the nice value make test gives
+               # its background build does not reach (measured: a RUN step took as much of the CPU as a test
+               # session's process, at nice 19); with it, the steps run on the CPU the sessions leave idle
+               "--cpu-shares", "2"]
     proc = podman(env, *command, str(REPO), timeout=BUILD_TIMEOUT_S)
     logs = HOME / "build-logs"
     logs.mkdir(exist_ok=True)
