@@ -91,7 +91,7 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # it, its output in .nox/lint.log; then unit. Then two lanes side by side, each one session after another:
 # the 8B recipe's session, the longest, then the GPU check and the wheelhouse (MAIN_SESSIONS); beside them
 # SIDE_SESSIONS, their output in .nox/side.log, printed when they end. A session that runs one launch at a time
-# keeps about one core of two busy (the 8B one: 22.5 CPU minutes in 26 minutes on a 2-core EPYC, beside the
+# keeps about one core of two busy (the 8B one: 20.8 CPU minutes in 25.3 minutes on a 2-core EPYC, beside the
 # others). Last, the rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs
 # are timed by the clock, and the NVMe session, whose op compiles in the background until then. Two jobs run in
 # the background, at the lowest disk priority: from the start, the last session's images build (the image-build
