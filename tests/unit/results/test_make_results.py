@@ -19,7 +19,7 @@ def test_make_results_works_from_a_fresh_copy(tmp_path):
         if (REPO / name).is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             (copy / name).write_bytes((REPO / name).read_bytes())
-    # PIP_COMPILE=0: nox's and the session's installs skip pip's bytecode compile (the modules run compile as they load)
+    # PIP_COMPILE=0: nox's and the session's installs skip pip's bytecode compile; one process then imports them
     proc = subprocess.run(["make", "--no-print-directory", "results"], cwd=copy, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PIP_COMPILE": "0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
