@@ -13,7 +13,9 @@ The sessions that train (unit, every recipe, demo) share one environment, ``.nox
 pinned stack (docker/requirements.txt + requirements-dev.txt), built once and rebuilt only when
 a lock file changes, with DeepSpeed's CPU ops compiled once into it. Each session reinstalls the
 runtime package (finetune_kit) and the tools over the repository (finetune_tools, shared/tools) as a
-user would (regular, non-editable installs).
+user would (regular, non-editable installs). On a CPU without bf16 and fp16 matrix instructions (AVX2 only),
+the test sessions' processes compute those products in fp32 (tests/half_matmul.py): torch's own kernels
+there are a scalar loop, and were about half of the recipes' step time.
 """
 
 from __future__ import annotations
@@ -60,7 +62,21 @@ def stack(session: nox.Session) -> dict[str, str]:
         session.run(str(STACK / "bin/python"), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall",
                     str(ROOT), str(ROOT / "shared/tools"), env=env, external=True)
         installed.write_text(source)
+    install_half_matmul()
     return env
+
+
+def install_half_matmul() -> None:
+    """tests/half_matmul.py into the shared environment, loaded at each interpreter's start by a .pth file: with
+    HALF_MATMUL_VIA_FP32=1 (the test sessions), bf16 and fp16 matrix products in fp32 on a CPU without instructions
+    for them (a scalar loop in torch there, many times slower); otherwise it does nothing."""
+    site = next(STACK.glob("lib/python3*/site-packages"))
+    module, source = site / "half_matmul_via_fp32.py", (ROOT / "tests/half_matmul.py").read_text()
+    if not module.is_file() or module.read_text() != source:
+        module.write_text(source)
+    pth = site / "half_matmul_via_fp32.pth"
+    if not pth.is_file():
+        pth.write_text("import half_matmul_via_fp32\n")
 
 
 def package_digest() -> str:
@@ -108,7 +124,8 @@ def children_cpu_seconds() -> float:
 
 
 def run_in_stack(session: nox.Session, *args: str) -> None:
-    env = stack(session)
+    # tests/half_matmul.py (HALF_MATMUL_VIA_FP32=0 in the environment: torch's own kernels)
+    env = {**stack(session), "HALF_MATMUL_VIA_FP32": os.environ.get("HALF_MATMUL_VIA_FP32", "1")}
     session.run(str(STACK / "bin" / args[0]), *args[1:], env=env, external=True)
 
 
