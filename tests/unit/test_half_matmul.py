@@ -19,7 +19,8 @@ importlib.util.find_spec("torch")  # a library looking for torch first (transfor
 import torch
 
 state = half_matmul._state
-report = {{"dtypes": [str(d) for d in state.get("dtypes", ())], "registered": "library" in state, "equal": {{}}}}
+report = {{"dtypes": [str(d) for d in state.get("dtypes", ())], "registered": "library" in state, "equal": {{}},
+          "lacking": [str(d) for d in half_matmul.half_dtypes_without_kernels(torch)]}}
 torch.manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16):
     a, b = torch.randn(3, 40, 700).to(dtype), torch.randn(3, 700, 24).to(dtype)
@@ -59,16 +60,12 @@ def test_on_a_cpu_without_half_matrix_instructions_products_are_fp32_rounded_onc
 
 
 def test_without_the_variable_or_with_the_instructions_torch_is_untouched():
-    """Without the variable nothing registers (the demo's processes); with it, on this CPU (whichever it is, as this
-    process sees it), only the dtypes torch lacks kernels for are taken."""
+    """Without the variable nothing registers (the demo's processes); with it, on this CPU (whichever it is, as the
+    test's environment has it), only the dtypes torch lacks kernels for are taken."""
     off = probe(ONEDNN_MAX_CPU_ISA="AVX2")
     assert off["dtypes"] == [] and not off["registered"], off
     # the negative control of the first test's equalities: torch's own fp16 loop rounds otherwise (measured)
     assert not all(off["equal"]["torch.float16"][:3]), off
-    native = probe(HALF_MATMUL_VIA_FP32="1")
-    import torch
-
-    from tests.half_matmul import half_dtypes_without_kernels
-
-    assert native["dtypes"] == [str(d) for d in half_dtypes_without_kernels(torch)], native
+    native = probe(HALF_MATMUL_VIA_FP32="1")  # not imported here: this process has the environment's copy loaded
+    assert native["dtypes"] == native["lacking"], native
     assert native["registered"] == bool(native["dtypes"]), native
