@@ -49,7 +49,6 @@ from tests.harness import (
     free_port,
     killed_whole_after,
     launch_env,
-    launch_nodes,
     load_script,
     losses,
     make_target,
@@ -753,12 +752,14 @@ NODES_CONFIG = "configs/zero3-ulysses-nodes.yaml"
 
 def launch_hosts(cwd: Path, *args: str, hosts: int = 2):
     """The multi-node long-context command on ``hosts`` "hosts" of one rank each: one launcher per host with its
-    own --machine_rank, meeting over loopback (the 70B recipe's test also runs its nodes in network namespaces)."""
+    own --machine_rank, meeting over loopback (the 70B recipe's test also runs its nodes in network namespaces).
+    Their ranks warm (tests/warm_launch.py): these tests compare what the group computes; the Slurm session runs
+    the same command with real launchers on its two nodes (tests/recipes/test_slurm.py)."""
     port = free_port()
-    return launch_nodes(cwd, [["accelerate", "launch", "--config_file", NODES_CONFIG, "--num_machines", str(hosts),
-                               "--num_processes", str(hosts), "--machine_rank", str(rank), "--main_process_ip",
-                               "127.0.0.1", "--main_process_port", str(port), "train.py", *args]
-                              for rank in range(hosts)], [None] * hosts)
+    return side_by_side([(cwd, ["accelerate", "launch", "--config_file", NODES_CONFIG, "--num_machines", str(hosts),
+                                "--num_processes", str(hosts), "--machine_rank", str(rank), "--main_process_ip",
+                                "127.0.0.1", "--main_process_port", str(port), "train.py", *args])
+                         for rank in range(hosts)], warm=True)
 
 
 @pytest.fixture(scope="module")
