@@ -88,14 +88,17 @@ def host() -> dict:
             if "==" in line and not line.startswith(own)]
     constraints = WORK / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-c", str(constraints), *HOST_LIBRARIES], check=True)
+    # --no-compile here and below: no bytecode compiled at install (about 20 CPU seconds of each install); the processes
+    # that then import a module compile it and keep it, the host's and the bundle's folders being writable
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(constraints),
+                    *HOST_LIBRARIES], check=True)
     # as on the hosts described: no pydantic (pip brings it for the newest typer, which such images predate)
     subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "--yes", "pydantic", "pydantic-core"], check=True)
     made = subprocess.run(["bash", str(REPO / "docker/build-gpu-bundle.sh"), "--host-python", str(py), *EXTRAS,
                            str(bundle)], capture_output=True, text=True, cwd=REPO)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
-    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(site),
-                    *map(str, sorted(bundle.glob("*.whl")))], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-compile", "--no-index", "--no-deps", "--target",
+                    str(site), *map(str, sorted(bundle.glob("*.whl")))], check=True)
     return {"python": py, "bundle": bundle, "site": site, "linked": linked, "log": made.stdout + made.stderr}
 
 
