@@ -3,10 +3,11 @@ took, appended to ``.nox/launches.jsonl`` when a ``make test`` session ends (``p
 suite-time`` prints them beside each session's minutes).
 
 A launch is a process the tests start that trains: a command naming a ``train.py`` (accelerate launch, deepspeed,
-torchrun), a ``make`` target, or a Slurm batch script. Its seconds run from its start to the moment a test sees it
-end. The steps' seconds are the sum of ``step_time_s`` over every ``metrics.jsonl`` the session's runs wrote: what
-a launch spends beyond them is start-up (interpreter, imports, process group, engine, data, model) and the end
-(evaluation, samples, saving).
+torchrun), a ``make`` target, or a Slurm batch script; a real one starts its interpreters afresh, a warm one forks
+its ranks from a process that imported the stack once (tests/warm_launch.py). Its seconds run from its start to the
+moment a test sees it end. The steps' seconds are the sum of ``step_time_s`` over every ``metrics.jsonl`` the
+session's runs wrote: what a launch spends beyond them is start-up (interpreter, imports, process group, engine, data,
+model) and the end (evaluation, samples, saving).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LaunchClock:
     def __init__(self) -> None:
         self.started: dict[int, float] = {}
         self.count, self.seconds = 0, 0.0
+        self.warm = 0  # of count: the launches forked warm (:func:`count`)
         self._patched = None
 
     def install(self) -> None:
@@ -70,6 +72,7 @@ class LaunchClock:
 
     def add(self, seconds: float) -> None:
         self.count += 1
+        self.warm += 1
         self.seconds += seconds
 
     def uninstall(self) -> None:
@@ -103,7 +106,7 @@ def step_seconds(folder: Path) -> tuple[int, float]:
 def record(root: Path, session: str, clock: LaunchClock, basetemp: Path) -> dict:
     """Append this pytest process's launch figures for ``session`` to ``root / RECORD``."""
     files, steps = step_seconds(basetemp) if basetemp.is_dir() else (0, 0.0)
-    entry = {"session": session, "launches": clock.count, "launch_seconds": round(clock.seconds, 1),
+    entry = {"session": session, "launches": clock.count, "warm": clock.warm, "launch_seconds": round(clock.seconds, 1),
              "metrics_files": files, "step_seconds": round(steps, 1)}
     path = root / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,11 +34,11 @@ def test_the_clock_counts_and_times_launches_and_nothing_else(tmp_path):
         launch_times.count(2.0)  # a launch of ranks forked warm (tests/warm_launch.py), timed by its caller
     finally:
         clock.uninstall()
-    assert clock.count == 3
+    assert (clock.count, clock.warm) == (3, 1)
     assert 2.6 <= clock.seconds < 7, clock.seconds
     subprocess.run([sys.executable, str(script)], check=True)  # uninstalled: not counted
     launch_times.count(2.0)
-    assert clock.count == 3
+    assert (clock.count, clock.warm) == (3, 1)
 
 
 def test_the_steps_seconds_are_summed_over_every_metrics_file(tmp_path):
@@ -48,8 +48,8 @@ def test_the_steps_seconds_are_summed_over_every_metrics_file(tmp_path):
                                                               for i, t in enumerate(times)) + "not json\n")
     assert launch_times.step_seconds(tmp_path) == (2, 1.75)
     clock = launch_times.LaunchClock()
-    clock.count, clock.seconds = 3, 12.34
+    clock.count, clock.warm, clock.seconds = 3, 1, 12.34
     entry = launch_times.record(tmp_path / "root", "test-x", clock, tmp_path)
-    assert entry == {"session": "test-x", "launches": 3, "launch_seconds": 12.3, "metrics_files": 2,
+    assert entry == {"session": "test-x", "launches": 3, "warm": 1, "launch_seconds": 12.3, "metrics_files": 2,
                      "step_seconds": 1.8}
     assert json.loads((tmp_path / "root" / launch_times.RECORD).read_text()) == entry

@@ -110,15 +110,15 @@ def test_each_session_shows_its_cpu_minutes_launches_and_their_steps(tmp_path, c
         + json.dumps({"session": "test-llama3-8b-zero3", "seconds": 600.0, "cpu_seconds": 960.0, "ok": True}) + "\n"
         + json.dumps({"session": "slurm", "seconds": 240.0, "cpu_seconds": 15.0, "ok": True}) + "\n")
     (tmp_path / suite_time.LAUNCHES).write_text(  # two pytest processes in one session add up
-        json.dumps({"session": "test-llama3-8b-zero3", "launches": 20, "launch_seconds": 480.0,
+        json.dumps({"session": "test-llama3-8b-zero3", "launches": 20, "warm": 15, "launch_seconds": 480.0,
                     "step_seconds": 120.0}) + "\n"
-        + json.dumps({"session": "test-llama3-8b-zero3", "launches": 4, "launch_seconds": 60.0,
+        + json.dumps({"session": "test-llama3-8b-zero3", "launches": 4, "warm": 1, "launch_seconds": 60.0,
                       "step_seconds": 30.0}) + "\n"
         + json.dumps({"session": "slurm", "launches": 4, "launch_seconds": 0.0, "step_seconds": 66.0}) + "\n")
     log = tmp_path / "log"
     log.write_text(LOG)
     suite_time.main(log, tmp_path)
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
-    assert rows["test-llama3-8b-zero3"][:7] == ["test-llama3-8b-zero3", "10.0", "4", "16.0", "24", "9.0", "2.5"]
-    assert rows["unit"][:7] == ["unit", "2.0", "5", "3.0", "-", "-", "-"]  # launched nothing it counts
-    assert rows["slurm"][:7] == ["slurm", "4.0", "-", "0.2", "4", "-", "1.1"]  # sbatch: jobs timed by their steps
+    assert rows["test-llama3-8b-zero3"][:8] == ["test-llama3-8b-zero3", "10.0", "4", "16.0", "8", "16", "9.0", "2.5"]
+    assert rows["unit"][:8] == ["unit", "2.0", "5", "3.0", "-", "-", "-", "-"]  # launched nothing it counts
+    assert rows["slurm"][:8] == ["slurm", "4.0", "-", "0.2", "4", "0", "-", "1.1"]  # sbatch: timed by their steps

@@ -4,9 +4,11 @@
 
 Reads ``.nox/session-times.jsonl`` (one line per nox session: its name, wall-clock and CPU seconds and result,
 written by noxfile.py as each session ends), ``.nox/launches.jsonl`` (per test session: how many training launches
-it started, their seconds and their steps' seconds, written by tests/launch_times.py) and, from ``LOG``, the
+it started, real (every interpreter started afresh) and warm (ranks forked from a process that imported the stack),
+their seconds and their steps' seconds, written by tests/launch_times.py) and, from ``LOG``, the
 per-test durations pytest printed (``--durations``). Prints each session's minutes beside its budget
-(``tests/session-budgets.toml``) with its CPU minutes (of 2 per minute on a 2-core machine), its launches and
+(``tests/session-budgets.toml``) with its CPU minutes (of 2 per minute on a 2-core machine), its launches (a change
+that adds one shows as a number) and
 how much of their time their training steps took (the rest is start-up and saving), which ran side by side,
 the sessions' minutes added up (the ops' compile and the image build, in the background, aside), the
 wall-clock time from the first session's start to the last one's end against the suite's budget, and the ten
@@ -58,7 +60,8 @@ def launch_times(path: Path) -> dict[str, dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 entry = json.loads(line)
-                into = out.setdefault(entry["session"], {"launches": 0, "launch_seconds": 0.0, "step_seconds": 0.0})
+                into = out.setdefault(entry["session"], {"launches": 0, "warm": 0, "launch_seconds": 0.0,
+                                                         "step_seconds": 0.0})
                 for key in into:
                     into[key] += entry.get(key, 0)
     return out
@@ -90,8 +93,10 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: di
     """The report's lines: a table of sessions, the total, the slowest tests, then the warnings."""
     minutes, launches = budgets.get("minutes", {}), launches or {}
     lines = [f"suite time, per session (budgets: {BUDGETS}; CPU: minutes of all cores; launches: how many trained, "
+             "real (interpreters started afresh) and warm (ranks forked from one that imported the stack), "
              "their minutes, of which their steps):",
-             f"  {'session':<28} {'minutes':>8} {'budget':>7} {'CPU':>6} {'launches':>8} {'minutes':>8} {'steps':>6}"]
+             f"  {'session':<28} {'minutes':>8} {'budget':>7} {'CPU':>6} {'real':>5} {'warm':>5} {'minutes':>8} "
+             f"{'steps':>6}"]
     warnings = []
     total = 0.0
     sided = side_by_side(times)
@@ -106,8 +111,8 @@ def report(times: dict[str, dict], budgets: dict, slow: list[Slow], launches: di
         ran = launches.get(name)
         # an sbatch returns at once, its job runs under slurmd: counted, its minutes not known here
         timed = f"{ran['launch_seconds'] / 60:>8.1f}" if ran and ran["launch_seconds"] else f"{'-':>8}"
-        counts = (f"{ran['launches']:>8} {timed} {ran['step_seconds'] / 60:>6.1f}" if ran
-                  else f"{'-':>8} {'-':>8} {'-':>6}")
+        counts = (f"{ran['launches'] - ran['warm']:>5} {ran['warm']:>5} {timed} {ran['step_seconds'] / 60:>6.1f}" if ran
+                  else f"{'-':>5} {'-':>5} {'-':>8} {'-':>6}")
         lines.append(f"  {name:<28} {spent:>8.1f} {budget if budget is not None else '-':>7} {cpu:>6} {counts}"
                      f"{beside}{state}")
         if budget is None:
