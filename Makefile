@@ -69,7 +69,7 @@ MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
 
-.PHONY: help demo test lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
+.PHONY: help demo test test-quick lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
 	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
@@ -124,6 +124,28 @@ test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	wait $$ops || failed=1; cat .nox/ops.log; \
 	wait $$images || failed=1; cat .nox/image-build.log; \
 	$(NOX) -s image || failed=1; \
+	exit $$failed
+
+# make test-quick: the check to run between edits (about 10 minutes once the stack is installed), a part of make test: lint
+# beside the stack session, then two lanes: the unit tests, and beside them the readme-commands session (each recipe's
+# README command once on its tiny model, with the tests that only read what it wrote, and make demo's verdict). The ops
+# those load compile in the background meanwhile, the shared-memory all-reduce and fused Adam first (the first launch
+# loads them); once built, nothing is left to do. Everything else (the other launches of the recipe sessions, Slurm,
+# Kubernetes, Prometheus, the GPU check and bundle, the wheelhouse, the images, NVMe) is make test's alone.
+QUICK_OPS := ShareMemCommBuilder FusedAdamBuilder CPUAdamBuilder
+test-quick: $(NOX) ## lint, the unit tests, each recipe's README command once and make demo's verdict (about 10 minutes)
+	@mkdir -p .nox; start=$$(date +%s); failed=0; \
+	$(NOX) -s lint > .nox/lint.log 2>&1 & lint=$$!; \
+	trap 'kill $$lint 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s stack || failed=1; \
+	wait $$lint || failed=1; cat .nox/lint.log; \
+	nice -n 10 $(idle_disk) $(NOX) -s ops -- $(QUICK_OPS) > .nox/ops.log 2>&1 & ops=$$!; \
+	$(NOX) -s readme-commands > .nox/readme-commands.log 2>&1 & readme=$$!; \
+	trap 'kill $$ops $$readme 2>/dev/null; exit 130' INT TERM; \
+	$(NOX) -s unit || failed=1; \
+	wait $$readme || failed=1; cat .nox/readme-commands.log; \
+	wait $$ops || failed=1; cat .nox/ops.log; \
+	echo "make test-quick: $$(( ($$(date +%s) - start + 30) / 60 )) minutes, $$([ $$failed = 0 ] && echo passed || echo FAILED)"; \
 	exit $$failed
 
 lint: $(NOX) ## ruff and hadolint

@@ -152,8 +152,9 @@ def stack_session(session: nox.Session) -> None:
 @timed
 def ops(session: nox.Session) -> None:
     """DeepSpeed's JIT ops the sessions load on CPU, compiled into the shared environment's cache ahead of
-    their first use (tests/ops.py); make test runs this in the background from when the environment exists."""
-    run_in_stack(session, "python", "-m", "tests.ops")
+    their first use (tests/ops.py); make test runs this in the background from when the environment exists.
+    nox -s ops -- NAME ...: those ops alone (make test-quick)."""
+    run_in_stack(session, "python", "-m", "tests.ops", *session.posargs)
 
 
 @nox.session(venv_backend="none")
@@ -181,6 +182,16 @@ def recipe_session(name: str, what: str) -> None:
 
 for _name, _what in RECIPE_SESSIONS.items():
     recipe_session(_name, _what)
+
+QUICK_FILES = [f"tests/recipes/test_{name.replace('-', '_')}.py" for name in RECIPE_SESSIONS]
+
+
+@nox.session(name="readme-commands", venv_backend="none", default=False)
+@timed
+def readme_commands(session: nox.Session) -> None:
+    """Each recipe's README command once on its tiny model, with the checks that only read what it wrote (the tests
+    marked quick), and make demo's verdict: make test-quick's part of the recipe sessions, which run them too."""
+    run_in_stack(session, "pytest", "-m", "quick", *QUICK_FILES, *session.posargs)
 
 
 @nox.session(name="test-llama3-8b-zero3-nvme", venv_backend="none")

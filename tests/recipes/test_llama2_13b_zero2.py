@@ -93,6 +93,7 @@ def run(recipe_copy, tiny_llama2, tmp_path_factory) -> Path:
     return output
 
 
+@pytest.mark.quick
 def test_the_run_leaves_no_buffer_in_dev_shm(run):
     """The Trainer's process group too: DeepSpeed's shm_comm buffers are gone when the run ends."""
     assert LEFT_IN_SHM == []
@@ -114,10 +115,12 @@ def short_run(recipe_copy, tiny_llama2, tmp_path_factory):
     return start
 
 
+@pytest.mark.quick
 def test_two_ranks_train_on_different_data(run_info):
     assert_ranks_disjoint(run_info)
 
 
+@pytest.mark.quick
 def test_zero2_partitions_the_optimizer_state(run_info):
     """Each rank holds half of the fp32 master weights and of Adam's two moments, not all."""
     assert run_info["zero_stage"] == 2 and run_info["precision"] == "bf16"
@@ -129,12 +132,14 @@ def test_zero2_partitions_the_optimizer_state(run_info):
     assert sum(rep["fp32_master_local"] for rep in reports) >= total  # together: the whole model
 
 
+@pytest.mark.quick
 def test_loss_falls(run):
     got = losses(run)
     assert len(got) == STEPS
     assert sum(got[-2:]) / 2 < got[0] - 0.1, got
 
 
+@pytest.mark.quick
 def test_losses_match_golden(run):
     assert_matches_golden(losses(run), GOLDEN, STEPS)
 
@@ -145,6 +150,7 @@ def first_step_examples(run_info: dict, tokenizer, per_rank: int = 4) -> list[di
     return sample_examples(tokenizer, ids, MAX_SEQ_LEN, "llama2")
 
 
+@pytest.mark.quick
 def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2):
     from finetune_kit import models
 
@@ -161,6 +167,7 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
     assert metrics[0]["padding_fraction"] == pytest.approx(1 - metrics[0]["tokens"] / slots)
 
 
+@pytest.mark.quick
 def test_run_record_describes_the_run(run, run_info, tiny_llama2):
     from transformers import AutoConfig
 
@@ -179,6 +186,7 @@ def test_run_record_describes_the_run(run, run_info, tiny_llama2):
     assert m.predicted_gpu_GiB == pytest.approx(run_info["memory_plan"]["gpu_total_GiB"], abs=1e-3)
 
 
+@pytest.mark.quick
 def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_llama2):
     """Step 1's loss (before any update) is the mean over all labelled tokens of the 8 sequences
     of both ranks' 4 micro-batches -- not the mean of per-micro-batch means, which differs here."""
@@ -270,6 +278,7 @@ def test_resume_reproduces_the_later_steps(run, recipe_copy, tiny_llama2, tmp_pa
     assert_resumed_like_uninterrupted(run, output, SAVE_EVERY, STEPS)
 
 
+@pytest.mark.quick
 def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     """Plain transformers loads model/ (bf16 safetensors + tokenizer); its weights are the fp32
     masters of the last DeepSpeed checkpoint rounded to bf16; it reproduces the validation loss."""
@@ -296,6 +305,7 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     assert (sums.sum() / counts.sum()).item() == pytest.approx(run_info["eval_loss"], rel=1e-2)
 
 
+@pytest.mark.quick
 def test_the_trainer_run_answers_samples_and_saves_a_chat_ready_folder_with_its_card(run, run_info):
     """Under the HF Trainer (ZeRO-2: every rank holds the weights) the final model answers 4 held-out prompts; model/
     renders Llama 2's template, stops at its </s> (the template's end of turn is the EOS) and has its card."""

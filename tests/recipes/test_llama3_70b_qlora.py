@@ -133,12 +133,14 @@ def run_info(run) -> dict:
     return read_run_info(run)
 
 
+@pytest.mark.quick
 def test_two_nodes_form_one_world_and_train_on_different_shards(run_info):
     assert_ranks_disjoint(run_info)
     ranks = {r["rank"]: r for r in run_info["ranks"]}
     assert [ranks[i]["machine_rank"] for i in (0, 1)] == [0, 1]  # one rank from each node
 
 
+@pytest.mark.quick
 def test_base_is_4bit_and_only_lora_and_head_train(run_info):
     classes = run_info["details"]["parameter_classes"]
     assert classes["linear4bit_modules"] == 2 * 7  # every linear layer of the 2 decoder blocks
@@ -147,6 +149,7 @@ def test_base_is_4bit_and_only_lora_and_head_train(run_info):
     assert classes["head_trainable"] == 64 * 2  # score: hidden 64 -> 2 labels, trained in full
 
 
+@pytest.mark.quick
 def test_zero3_partitions_parameters(run_info):
     assert run_info["zero_stage"] == 3
     for rank in run_info["ranks"]:
@@ -155,6 +158,7 @@ def test_zero3_partitions_parameters(run_info):
         assert params["local"] < 0.6 * params["total"], params  # about half of every tensor per rank
 
 
+@pytest.mark.quick
 def test_loss_falls_and_matches_golden(run):
     got = losses(run)
     assert len(got) == STEPS
@@ -164,10 +168,12 @@ def test_loss_falls_and_matches_golden(run):
     assert_matches_golden(got, GOLDEN, STEPS, atol=5e-3)
 
 
+@pytest.mark.quick
 def test_metrics_carry_throughput_and_memory(run):
     assert_throughput_metrics(run)
 
 
+@pytest.mark.quick
 def test_run_record_counts_frozen_base_flops(run, run_info, tiny_llama3):
     """The record's TFLOP/s follow the frozen-base formula: 4N for the 4-bit base, 6N for LoRA
     and the head, with the 2-label head in place of the LM head."""
@@ -195,6 +201,7 @@ def test_run_record_counts_frozen_base_flops(run, run_info, tiny_llama3):
     assert rec.measured.predicted_gpu_GiB == pytest.approx(run_info["memory_plan"]["gpu_total_GiB"], abs=1e-3)
 
 
+@pytest.mark.quick
 def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_llama3):
     """Plain PEFT loads the adapter onto a freshly quantised base in this process; its
     tensors are whole (not ZeRO-3's empty placeholders) and it scores the validation
@@ -506,6 +513,7 @@ def test_the_input_checks_reject_a_worker_that_disagrees_with_the_main_node(edit
     assert bad.returncode == 2 and re.search(pattern, bad.stderr), bad.stderr
 
 
+@pytest.mark.quick
 def test_the_readme_make_command_on_both_nodes_trains_like_the_launch(made):
     """`make recipe-70b-qlora NODE_RANK=0|1 MAIN_IP=...` on each "node", and its old name on the worker, ran the
     module's main run to its end (its golden losses: test_loss_falls_and_matches_golden)."""

@@ -122,11 +122,13 @@ def run(fresh_launch) -> Path:
     return fresh_launch[1]
 
 
+@pytest.mark.quick
 def test_the_run_leaves_no_buffer_in_dev_shm(fresh_launch):
     """DeepSpeed's shm_comm op never removes its 64 MiB per rank: the run removes them at exit."""
     assert fresh_launch[2] == []
 
 
+@pytest.mark.quick
 def test_by_default_no_metrics_endpoint_and_no_tracker(fresh_launch):
     """Without FINETUNE_METRICS_PORT no port opens (no endpoint is announced); --report-to none writes
     no tracker files (tests/recipes/test_live_metrics.py runs both on)."""
@@ -141,16 +143,19 @@ def run_info(run) -> dict:
     return read_run_info(run)
 
 
+@pytest.mark.quick
 def test_run_info_records_the_memory_plan(run_info):
     plan = run_info["memory_plan"]  # no GPU here: predicted, not checked
     assert plan["setup"]["stage"] == 3 and plan["setup"]["gpus_per_node"] * plan["setup"]["nodes"] == 2
     assert plan["fits"] is None and plan["gpu_total_GiB"] > 0 and "not checked" in plan["verdict"]
 
 
+@pytest.mark.quick
 def test_two_ranks_train_on_different_data(run_info):
     assert_ranks_disjoint(run_info)
 
 
+@pytest.mark.quick
 def test_zero3_partitions_parameters(run_info):
     assert run_info["zero_stage"] == 3
     for rank in run_info["ranks"]:
@@ -160,16 +165,19 @@ def test_zero3_partitions_parameters(run_info):
         assert params["local"] < 0.6 * params["total"], params
 
 
+@pytest.mark.quick
 def test_loss_falls(run):
     got = losses(run)
     assert len(got) == STEPS
     assert sum(got[-2:]) / 2 < got[0] - 0.2, got
 
 
+@pytest.mark.quick
 def test_losses_match_golden(run):
     assert_matches_golden(losses(run), GOLDEN, STEPS)
 
 
+@pytest.mark.quick
 def test_the_readme_make_command_trains_like_the_launch(fresh_launch, tiny_llama3):
     """`make recipe-8b-zero3 NUM_GPUS=2 ...` from the repository root (CPU=1: on CPUs) launched the module's main
     run (the golden losses: test_losses_match_golden), and its old name runs the same commands."""
@@ -249,10 +257,12 @@ def test_the_speed_and_memory_levers_train_the_same(launch_of, recipe_copy, tiny
     assert set(LEVERS) == {lever for levers in LAUNCHES.values() for lever in levers}  # every lever in a launch
 
 
+@pytest.mark.quick
 def test_metrics_carry_throughput_and_memory(run):
     assert_throughput_metrics(run)
 
 
+@pytest.mark.quick
 def test_run_record_describes_the_run(run, tiny_llama3):
     from transformers import AutoConfig
 
@@ -279,6 +289,7 @@ def test_run_record_describes_the_run(run, tiny_llama3):
     assert m.predicted_gpu_GiB == pytest.approx(plan["gpu_total_GiB"], abs=1e-3)  # the planner's, beside the peaks
 
 
+@pytest.mark.quick
 def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     """Plain transformers loads model/; its weights equal the fp32 masters of the last
     DeepSpeed checkpoint rounded to bf16, so logits agree exactly; and it reproduces the
@@ -315,6 +326,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.quick
 def test_the_run_answers_held_out_prompts_before_and_after_training(run, run_info):
     """--samples 4 (the default) of the held-out rows, answered by the model as loaded (--sample-before) and by
     the final model; in samples.jsonl, the run record and the log."""
@@ -330,6 +342,7 @@ def test_the_run_answers_held_out_prompts_before_and_after_training(run, run_inf
     assert json.loads((run / "run_record.json").read_text())["samples"] == samples
 
 
+@pytest.mark.quick
 def test_plain_transformers_answers_like_the_run_from_the_saved_folder(run):
     """model/ carries the chat template the run trained with and stops at its end of turn: plain transformers
     renders the sample prompts and generates, with the folder's own generation_config, the run's answers (greedy,
@@ -349,6 +362,7 @@ def test_plain_transformers_answers_like_the_run_from_the_saved_folder(run):
     assert [a.strip() for a in answers] == [s["answer"] for s in samples]
 
 
+@pytest.mark.quick
 def test_the_model_card_is_generated_from_the_run(run, run_info):
     """model/README.md: front matter a hub reads, the settings, data, measured speed, validation and samples,
     each taken from the run's files."""
@@ -375,6 +389,7 @@ def test_the_model_card_is_generated_from_the_run(run, run_info):
 HARNESS_VS_RUN_RTOL = 1e-3  # measured 3.5e-5: the run's bf16 forward under ZeRO-3 against the harness's fp32 one
 
 
+@pytest.mark.quick
 def test_make_eval_scores_the_held_out_split_as_the_run_did(run, run_info, tmp_path):
     """`make eval RUN=...` (lm-evaluation-harness, offline) on a copy of the run: its heldout task is the run's own
     validation (one-turn rows: the same answer tokens), so its loss is the run's eval_loss; the summary lands in
@@ -1136,6 +1151,7 @@ def test_a_runs_saved_model_folder_is_a_base_the_checks_take(run, recipe_main, t
 DEMO_FLOOR = 5  # of 8 held-out answers in the references' form: measured 7 on a 2-core EPYC; 4-5 with 84-119 steps
 
 
+@pytest.mark.quick
 def test_make_demo_shows_the_model_learned(tmp_path):
     """`make demo`, the README's first command, as written: most of its held-out answers take the form of the
     references, and its verdict line says so. Negative control, from the same run: the model as loaded (the answers
