@@ -22,7 +22,9 @@ other's (:func:`release_shm_buffer`); the mappings stay valid until the ranks ex
 
 A fourth costs seconds at every CPU launch: DeepSpeed's CPU op builders ask py-cpuinfo about the CPU
 at each op they load, each time from a new Python process; both entry points keep its first answer
-(:mod:`finetune_kit.launch.cpu_info`).
+(:mod:`finetune_kit.launch.cpu_info`). A fifth, at every step: DeepSpeed's CPU accelerator reads the NUMA
+layout from a new process each time ZeRO-3 reduces gradients; both keep its first answer too
+(:mod:`finetune_kit.launch.numa_layout`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from finetune_kit.launch import cpu_info, env, fsdp
+from finetune_kit.launch import cpu_info, env, fsdp, numa_layout
 
 # DeepSpeed 0.19 calls torch's deprecated collective names on every step; the warning is
 # repeated per rank per step and says nothing the user can act on.
@@ -71,6 +73,7 @@ def make_accelerator(**kwargs) -> Accelerator:
     timeout = timedelta(seconds=env.collective_timeout_s())
     if on_cpu_only():
         cpu_info.keep()
+        numa_layout.keep()
     if on_cpu_only() and env.world_size() > 1:
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timeout))
     elif not on_cpu_only():
@@ -112,6 +115,7 @@ def trainer_cpu_overrides() -> dict:
     from accelerate import PartialState
 
     cpu_info.keep()
+    numa_layout.keep()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     state = PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
     release_shm_buffer(state.wait_for_everyone)
