@@ -89,7 +89,8 @@ def host() -> dict:
     constraints = WORK / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
     # --no-compile here and below: no bytecode compiled at install (about 20 CPU seconds of each install); the processes
-    # that then import a module compile it and keep it, the host's and the bundle's folders being writable
+    # that then import a module compile it and keep it, the host's and the bundle's folders being writable (the smoke's
+    # environment lets them write it)
     subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--no-compile", "-c", str(constraints),
                     *HOST_LIBRARIES], check=True)
     # as on the hosts described: no pydantic (pip brings it for the newest typer, which such images predate)
@@ -133,6 +134,10 @@ def test_the_smoke_runs_from_the_bundle_with_the_hosts_torch(host, tmp_path):
            # path) would rebuild the shared environment's ops there, and its next launch rebuild them back
            "TORCH_EXTENSIONS_DIR": str(WORK / "torch_extensions")}
     env.pop("VIRTUAL_ENV", None)
+    # the host's and the bundle's modules, installed without bytecode, compiled once by the first process that imports
+    # them and kept for the next ones, as on a host (with PYTHONDONTWRITEBYTECODE set, as on some CI machines, every
+    # process of the rehearsal would compile them again)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     where = subprocess.run([str(host["python"]), "-c", "import torch, transformers, deepspeed, lm_eval; "
                             "print(torch.__file__, transformers.__version__, deepspeed.__file__, lm_eval.__file__)"],
                            capture_output=True, text=True, env=env, check=True).stdout.splitlines()[-1].split()
