@@ -4,8 +4,9 @@
 
 PYTHON ?= python3
 VENV := .venv
-# The tools over this repository (finetune_tools: planner, results, GPU check, README blocks) run from the
-# checkout; no recipe imports them, and `pip install .` installs the runtime package alone.
+# The tools over this repository (finetune_tools: planner, results, GPU check, README blocks, make eval and make
+# merge) run from the checkout (an image has it in /workspace); no recipe imports them, and `pip install .`
+# installs the runtime package alone.
 TOOLS := $(CURDIR)/shared/tools
 NOX := $(VENV)/bin/nox
 
@@ -163,7 +164,7 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 RUN ?=
 merge: ## merge a QLoRA run's adapter into its 16-bit base: RUN=out/llama3-70b-qlora [MERGE_ARGS="--dtype bfloat16"]
 	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished llama3-70b-qlora run>."; exit 2; }
-	$(PYTHON) -m finetune_kit.merge "$(abspath $(RUN))" $(MERGE_ARGS)
+	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.merge "$(abspath $(RUN))" $(MERGE_ARGS)
 
 # After a run: lm-evaluation-harness on the model the run saved (model/, else merged/, else adapter/ over its base),
 # offline (docs/evaluation.md). TASKS: heldout (the run's held-out rows as a local task) and any lm-eval task whose
@@ -173,7 +174,7 @@ EVAL_MODEL ?=
 EVAL_ARGS ?=
 eval: ## evaluate a finished run with lm-evaluation-harness: RUN=out/llama3-8b-zero3 [TASKS=heldout,arc_easy] [EVAL_MODEL=folder] [CPU=1] [EVAL_ARGS="--limit 100"]
 	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished run>."; exit 2; }
-	$(PYTHON) -m finetune_kit.harness "$(abspath $(RUN))" --tasks "$(TASKS)" \
+	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.harness "$(abspath $(RUN))" --tasks "$(TASKS)" \
 	  $(if $(EVAL_MODEL),--model "$(abspath $(EVAL_MODEL))") $(if $(CPU),--device cpu) $(EVAL_ARGS)
 
 # The real run. The stack must be installed (the recipe's Dockerfile, or

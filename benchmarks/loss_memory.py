@@ -5,7 +5,7 @@ vocabulary, bf16 head; the hidden width is cut to 256 (the logits do not depend 
 head's matmul stays a few seconds on CPU). Each mode runs in a process of its own: the forward
 and backward of the loss, the process's peak resident memory (``ru_maxrss``) measured before and
 after; the difference is what the loss step added. ``transformers`` computes the whole-logits loss
-(``ForCausalLMLoss``, what ``LlamaForCausalLM`` calls); ``finetune_kit.models.chunked_loss`` the other.
+(``ForCausalLMLoss``, what ``LlamaForCausalLM`` calls); ``finetune_kit.losses`` the other.
 
     python benchmarks/loss_memory.py [--out results/benchmarks/loss-memory.json]
 
@@ -37,7 +37,7 @@ def one(chunks: int) -> dict:
     import torch
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from finetune_kit.models.chunked_loss import chunked_cross_entropy
+    from finetune_kit.losses import chunked_cross_entropy
 
     torch.manual_seed(0)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False, dtype=torch.bfloat16)
@@ -65,7 +65,7 @@ def main() -> int:
         return 0
 
     from finetune_kit.models.shapes import resolve_model
-    from finetune_kit.planning.memory import activation_bytes
+    from finetune_kit.planning.activations import activation_bytes
 
     shape = resolve_model("llama3-8b")
     rows = []

@@ -420,9 +420,9 @@ def assert_one_model_for_every_split(runs: dict, initial: Path | None, file: str
 def sample_examples(tokenizer, ids: list[int], max_seq_len: int, chat_template: str = "auto",
                     source: Path = SAMPLE) -> list[dict]:
     """The tokenised examples of source rows ``ids`` (in that order), as a recipe makes them."""
-    from finetune_kit import data
+    from finetune_kit.data import instructions
 
-    examples, _ = data.tokenize_rows(data.load_rows(str(source)), tokenizer, max_seq_len, chat_template)
+    examples, _ = instructions.tokenize_rows(instructions.load_rows(str(source)), tokenizer, max_seq_len, chat_template)
     by_row = {ex["example_ids"][0]: ex for ex in examples}
     return [by_row[i] for i in ids]
 

@@ -31,7 +31,7 @@ memory plan).
 from dataclasses import dataclass
 
 # First: the package quiets a bitsandbytes warning that importing the HF Trainer would print (it loads peft)
-from finetune_kit import data, models, run_main, training
+from finetune_kit import data, losses, models, run_main, training
 
 # isort: split
 from torch.utils.data import DataLoader
@@ -114,34 +114,36 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False
-    models.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss_chunks pieces: no full logits
+    losses.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss_chunks pieces: no full logits
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----
-    trainer = hf_trainer.metered_trainer(checked, args, targs, model=model, train_dataset=train_set,
-                                         data_collator=recorder, processing_class=tokenizer)
-    before = training.answers_before(trainer.accelerator, model, tokenizer, template, prompts, args,
-                                     resumed=checked.resume_from is not None)
-    # checkpoint-N every --save_steps; a stop signal (SIGTERM, SIGUSR1) saves one and ends train()
-    trainer.train(resume_from_checkpoint=str(checked.resume_from) if checked.resume_from else None)
-    if trainer.stopped_by:  # the same command resumes from that checkpoint
-        return
+    with training.hold_output(checked.output, targs.process_index == 0):  # --output_dir: this run's to its end
+        trainer = hf_trainer.metered_trainer(checked, args, targs, model=model, train_dataset=train_set,
+                                             data_collator=recorder, processing_class=tokenizer)
+        before = training.answers_before(trainer.accelerator, model, tokenizer, template, prompts, args,
+                                         resumed=checked.resume_from is not None)
+        # checkpoint-N every --save_steps; a stop signal (SIGTERM, SIGUSR1) saves one and ends train()
+        trainer.train(resume_from_checkpoint=str(checked.resume_from) if checked.resume_from else None)
+        if trainer.stopped_by:  # the same command resumes from that checkpoint
+            return
 
-    # ---- 6. Save the consolidated model; validation, run record and run info ----
-    # ZeRO-2: every rank has the full weights; rank 0 writes
-    model_dir = training.save_trainer_model(trainer, checked.output / "model", template) if args.save_model else None
-    trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
-    evals = []
-    if eval_set is not None:
-        eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=targs.per_device_eval_batch_size,
-                                                         collate_fn=pad))
-        loss = training.evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)
-        evals = [{"step": trainer.state.global_step, "epoch": trainer.state.epoch, "eval_loss": loss}]
-    samples = training.sample_answers(trainer.accelerator, trainer.model_wrapped, tokenizer, template, prompts, args,
-                                      checked, before, evals)
-    training.finish(trainer.accelerator, checked, args, trainer.model_wrapped, trainer,
-                    steps=trainer.state.global_step, total_steps=trainer.state.max_steps, split=split, evals=evals,
-                    saved_to=model_dir, batch=hf_trainer.batch_shape(targs), training={"packing": args.pack},
-                    samples=samples)
+        # ---- 6. Save the consolidated model; validation, run record and run info ----
+        # ZeRO-2: every rank has the full weights; rank 0 writes
+        model_dir = training.save_trainer_model(trainer, checked.output / "model", template) \
+            if args.save_model else None
+        trainer.save_state()  # trainer_state.json: the Trainer's own log history (grad norms included)
+        evals = []
+        if eval_set is not None:
+            eval_dl = trainer.accelerator.prepare(DataLoader(eval_set, batch_size=targs.per_device_eval_batch_size,
+                                                             collate_fn=pad))
+            loss = training.evaluate_loss(trainer.model_wrapped, eval_dl, trainer.accelerator)
+            evals = [{"step": trainer.state.global_step, "epoch": trainer.state.epoch, "eval_loss": loss}]
+        samples = training.sample_answers(trainer.accelerator, trainer.model_wrapped, tokenizer, template, prompts,
+                                          args, checked, before, evals)
+        training.finish(trainer.accelerator, checked, args, trainer.model_wrapped, trainer,
+                        steps=trainer.state.global_step, total_steps=trainer.state.max_steps, split=split, evals=evals,
+                        saved_to=model_dir, batch=hf_trainer.batch_shape(targs), training={"packing": args.pack},
+                        samples=samples)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # First: the package quiets a bitsandbytes warning that importing peft would print
-from finetune_kit import model_card, models, run_main, training
+from finetune_kit import losses, model_card, models, run_main, training
 
 # isort: split
 from peft import LoraConfig
-from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from transformers import BitsAndBytesConfig
 
@@ -120,7 +119,7 @@ def main(argv=None) -> None:
     collate = reviews.ReviewCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     train_dl = DataLoader(held_out["train"], batch_size=args.micro_batch_size, shuffle=True, collate_fn=collate)
     eval_dl = DataLoader(held_out["test"], batch_size=args.micro_batch_size, collate_fn=collate)
-    schedule = training.Schedule.plan(len(held_out["train"]), args, accelerator.num_processes)
+    schedule = training.Schedule.plan(len(held_out["train"]), args, checked.data_ranks)
 
     # ---- 4. Model: nf4 base loaded shard by shard (zero.Init), LoRA + head trainable ----
     model = quantized_classifier_with_lora(args, targets, tokenizer)
@@ -132,46 +131,47 @@ def main(argv=None) -> None:
                                                            checked, args, schedule.total_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler)
-    checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
-    # Not strict: the frozen 4-bit base is rebuilt from --model, not stored in the checkpoint;
-    # LoRA and head come back from the ZeRO-3 optimizer partitions.
-    start = checkpointer.resume(load_module_strict=False)
-    meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
+    with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
+        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
+        # Not strict: the frozen 4-bit base is rebuilt from --model, not stored in the checkpoint;
+        # LoRA and head come back from the ZeRO-3 optimizer partitions.
+        start = checkpointer.resume(load_module_strict=False)
+        meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
 
-    # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
-    model.train()
-    evals = []
-    for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
-        for batch in step.micro_batches:
-            with accelerator.accumulate(model):
-                labels = batch.pop("labels")
-                with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
-                    logits = model(**batch).logits
-                # summed over these reviews / the labelled reviews of the whole step on all ranks (short batches too)
-                loss = F.cross_entropy(logits.float(), labels, reduction="sum") / step.labelled
-                accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
-                optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
-                scheduler.step()
-                optimizer.zero_grad()
-            meter.micro_batch(loss, batch)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))  # DeepSpeed's
-        meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
-        if step.ends_epoch or step.last:  # validation: loss and accuracy on the held-out reviews
-            evals.append(training.validation(step, reviews.evaluate_classifier(model, eval_dl, accelerator),
-                                             accelerator))
-        stopping = stop.agreed()  # did a stop signal reach any rank?
-        saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
-        if stopping:
-            return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
+        # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
+        model.train()
+        evals = []
+        for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
+            for batch in step.micro_batches:
+                with accelerator.accumulate(model):
+                    labels = batch.pop("labels")
+                    with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
+                        logits = model(**batch).logits
+                    # summed over these reviews / the labelled reviews of the whole step on all ranks (short ones too)
+                    loss = losses.classifier_loss(logits, labels, step.labelled)
+                    accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
+                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
+                    scheduler.step()
+                    optimizer.zero_grad()
+                meter.micro_batch(loss, batch)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))  # DeepSpeed's
+            meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+            if step.ends_epoch or step.last:  # validation: loss and accuracy on the held-out reviews
+                evals.append(training.validation(step, reviews.evaluate_classifier(model, eval_dl, accelerator),
+                                                 accelerator))
+            stopping = stop.agreed()  # did a stop signal reach any rank?
+            saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
+            if stopping:
+                return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 
-    # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
-    adapter_dir = training.save_adapter(accelerator, model, tokenizer, checked.output / "adapter") \
-        if args.save_model else None
-    training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
-                    split=split, evals=evals, saved_to=adapter_dir, batch=training.batch_shape(args), details={
-                        "data_counts": counts, "parameter_classes": param_classes,
-                        "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-                                 "targets": args.lora_targets}})
+        # ---- 7. Save the adapter (gathered from the ZeRO-3 shards), write the run record ----
+        adapter_dir = training.save_adapter(accelerator, model, tokenizer, checked.output / "adapter") \
+            if args.save_model else None
+        training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
+                        split=split, evals=evals, saved_to=adapter_dir, batch=training.batch_shape(args), details={
+                            "data_counts": counts, "parameter_classes": param_classes,
+                            "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+                                     "targets": args.lora_targets}})
 
     # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----
     if args.merge and adapter_dir and accelerator.is_main_process:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader
 
-from finetune_kit import data, models, run_main, training
+from finetune_kit import data, losses, models, run_main, training
 
 RECIPE = "llama3-8b-zero3"
 LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
@@ -81,15 +81,14 @@ def main(argv=None) -> None:
         examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, template,
                                               cache=args.data_cache, workers=args.data_workers)
     train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
-    if args.pack:  # whole examples per sequence, attention kept inside each
-        train_set = data.pack(train_set, args.max_seq_len)
+    train_set = data.pack(train_set, args.max_seq_len) if args.pack else train_set  # --pack: whole examples a row
     split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows
     prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples: answered at the end
     pad = data.PadCollator(tokenizer.pad_token_id, pad_to_multiple_of=8)
     collate = training.shard_sequences(data.PackedCollator() if args.pack else pad, sp, tokenizer.pad_token_id)
     train_dl = training.shard_loader(accelerator, DataLoader(train_set, batch_size=args.micro_batch_size, shuffle=True,
                                                              collate_fn=collate), sp)  # one slice per rank of a group
-    schedule = training.Schedule.plan(len(train_set), args, sp.data_ranks)  # steps per epoch, in all
+    schedule = training.Schedule.plan(len(train_set), args, checked.data_ranks)  # steps per epoch, in all
 
     # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
     attention = models.attention_for(args.attention, packed=args.pack)
@@ -97,7 +96,7 @@ def main(argv=None) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
     model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
-    models.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
+    losses.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
     models.use_tiled_mlp(model, args.tiled_mlp)  # --tiled-mlp: each MLP a slice of the tokens at a time
     training.use_sequence_parallel(model, sp, attention, 1 if args.pack else args.micro_batch_size)  # all-to-all
     if args.gradient_checkpointing:  # recompute every --recompute-every-th layer in the backward
@@ -109,42 +108,43 @@ def main(argv=None) -> None:
     optimizer, scheduler = training.optimizer_and_schedule(model.parameters(), checked, args, schedule.total_steps)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
-    checkpointer = training.Checkpointer(accelerator, checked, args)  # holds --output until the run ends
-    start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
-    meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
-    before = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
-    model.train()
+    with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
+        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
+        start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
+        meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
+        prior = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
+        model.train()
 
-    # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
-    for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
-        grad_norm = None
-        for batch in step.micro_batches:
-            with accelerator.accumulate(model):
-                with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
-                    # its token losses summed over the whole step's labelled tokens: one mean however it is split
-                    loss = model(**data.model_inputs(batch), num_items_in_batch=step.labelled).loss
-                accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
-                if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both give the norm
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))
-                optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
-                scheduler.step()
-                optimizer.zero_grad()
-            meter.micro_batch(loss, batch)
-        meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
-        stopping = stop.agreed()  # did a stop signal reach any rank?
-        saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
-        if stopping:
-            return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
+        # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
+        for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
+            grad_norm = None
+            for batch in step.micro_batches:
+                with accelerator.accumulate(model):
+                    with models.offload_activations(args.offload_activations):  # saved for backward: host RAM if asked
+                        # its token losses summed over the whole step's labelled tokens: one mean however it is split
+                        loss = losses.causal_lm_loss(model, data.model_inputs(batch), step.labelled)
+                    accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
+                    if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both: the norm
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))
+                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
+                    scheduler.step()
+                    optimizer.zero_grad()
+                meter.micro_batch(loss, batch)
+            meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+            stopping = stop.agreed()  # did a stop signal reach any rank?
+            saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
+            if stopping:
+                return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 
-    # ---- 7. Save the consolidated model; validation, sample answers, run record, run info and model card ----
-    model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model", template) \
-        if args.save_model else None  # generation_config.json stops at the chat template's end of turn
-    evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
-        if eval_set else []
-    samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked, before, evals)
-    training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
-                    split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
-                    training={"packing": args.pack}, samples=samples)
+        # ---- 7. Save the consolidated model; validation, sample answers, run record, run info and model card ----
+        model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model", template) \
+            if args.save_model else None  # generation_config.json stops at the chat template's end of turn
+        evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
+            if eval_set else []
+        samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked, prior, evals)
+        training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
+                        split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
+                        training={"packing": args.pack}, samples=samples)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,26 @@
-"""What a recipe imports when it runs. Each folder answers one question:
+"""What a recipe imports when it runs. Each folder answers one question (README.md beside this file: where
+each thing a newcomer looks for lives):
 
+    losses.py   the loss: labels that take none, the step's labelled-token count and backward scale, the
+                causal LM's loss without the full logits (chunked, or Liger's kernel), the classifier's
     data/       what the model reads: instruction rows (prompt masking, packing), review CSVs, samples
-    models/     shapes from a config (no weights), loading with a real pad token, QLoRA, the loss and
-                attention kernels, activation offload, compiled layers
+    models/     shapes from a config (no weights), loading with a real pad token, QLoRA, fp8, attention
+                kernels, activation offload, compiled layers, tiled MLP
     launch/     what the launcher set up: its environment, the launched configs' checks, the Accelerator,
-                multi-node checks and handshake
-    planning/   will it fit? the memory formulas every launch checks before it loads anything
+                multi-node checks and handshake, CPU start-up
+    planning/   will it fit? model states and activations, added up in the verdict every launch checks
     metering/   metric names and units, model FLOPs and MFU, tokens/s, peak memory, metrics.jsonl, the run record
     training/   a run from its input checks to its records: the checks, the loop around the recipe's body (or the
-                metered HF Trainer's), checkpoints and resharding, the final model, the shared flags
+                metered HF Trainer's), checkpointing/, the final model, the shared flags
     check.py    ``python -m finetune_kit.check``: a launch's inputs checked once, before any rank starts
-    harness/    ``python -m finetune_kit.harness`` (``make eval``): lm-evaluation-harness on a finished run's model
+    output_lock.py  one run per output folder, held by the ``with`` block a recipe wraps its run in
     model_card.py  each saved folder's README.md, generated from the run's files
-    merge.py    ``python -m finetune_kit.merge`` (``make merge``): a QLoRA adapter merged into its 16-bit base
 
-The tools that work on the repository (the speed model, the results page, the GPU check, the README
-blocks, the tiny test models) are the second package, ``finetune_tools`` (shared/tools/).
-A recipe needs a handful of names, importable from here without loading torch until used: the packages
-``data``, ``models`` and ``training`` (whose ``__init__`` export the names a recipe uses) and ``run_main``.
+The tools that work on the repository (the speed model, the results page, the GPU check, the evaluation
+harness, the merge, the README blocks, the tiny test models) are the second package, ``finetune_tools``
+(shared/tools/). A recipe needs a handful of names, importable from here without loading torch until used: the
+packages ``data``, ``models`` and ``training`` (whose ``__init__`` export the names a recipe uses, statically for
+editors too), the module ``losses`` and ``run_main``.
 """
 
 import logging

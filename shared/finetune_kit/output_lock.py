@@ -7,7 +7,8 @@ written, both write the same steps, and one of them fails on a file the other re
 
 A launch's checks refuse a folder that a live run holds (:func:`check_free`); the main rank of a run
 then holds ``<output>/run.lock`` (JSON: host, process, since when, the command) from just before its
-first step to its end (:func:`acquire`), and rewrites it every :data:`HEARTBEAT_S` seconds. A launch that finds it:
+first step to its end (:func:`hold_output`, the ``with`` block every recipe wraps its run in), and rewrites it every
+:data:`HEARTBEAT_S` seconds. A launch that finds it:
 
 * held by a process on this machine (same host, boot and process namespace): alive if that process
   still runs, with the same start time; otherwise the lock is left over and taken;
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -190,3 +192,17 @@ def release(output: Path) -> None:
     lock = _HELD.pop(Path(output), None)
     if lock is not None:
         lock.release()
+
+
+@contextmanager
+def hold_output(output: Path, holder: bool = True):
+    """``output``'s lock held over the ``with`` block by the run's main rank (``holder``; the other ranks hold
+    nothing), and released however the block ends: where a recipe's run takes its folder and gives it back."""
+    if not holder:
+        yield None
+        return
+    lock = acquire(output)
+    try:
+        yield lock
+    finally:
+        release(output)

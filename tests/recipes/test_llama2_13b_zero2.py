@@ -152,7 +152,7 @@ def first_step_examples(run_info: dict, tokenizer, per_rank: int = 4) -> list[di
 
 @pytest.mark.quick
 def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2):
-    from finetune_kit import models
+    from finetune_kit.models import loading
 
     metrics = read_metrics(run)
     assert set(metrics[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "padding_fraction", "tokens_per_s",
@@ -161,7 +161,7 @@ def test_metrics_count_real_tokens_with_the_8b_names(run, run_info, tiny_llama2)
     for m in metrics:
         assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["host_rss_GiB"] > 0
         assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / 2)
-    examples = first_step_examples(run_info, models.load_tokenizer(str(tiny_llama2)))
+    examples = first_step_examples(run_info, loading.load_tokenizer(str(tiny_llama2)))
     assert metrics[0]["tokens"] == sum(len(ex["input_ids"]) for ex in examples)  # no padding counted
     slots = sum(-(-len(ex["input_ids"]) // 8) * 8 for ex in examples)  # micro-batch 1, padded to a multiple of 8
     assert metrics[0]["padding_fraction"] == pytest.approx(1 - metrics[0]["tokens"] / slots)
@@ -192,15 +192,16 @@ def test_loss_is_token_weighted_over_the_accumulated_step(run, run_info, tiny_ll
     of both ranks' 4 micro-batches -- not the mean of per-micro-batch means, which differs here."""
     from transformers import AutoModelForCausalLM
 
-    from finetune_kit import data, models
+    from finetune_kit.data import batching
+    from finetune_kit.models import loading
     from finetune_kit.training.evaluation import token_loss_sums
 
-    tokenizer = models.load_tokenizer(str(tiny_llama2))
+    tokenizer = loading.load_tokenizer(str(tiny_llama2))
     model = AutoModelForCausalLM.from_pretrained(tiny_llama2)  # bf16, as trained
     sums, counts = [], []
     with torch.no_grad():
         for ex in first_step_examples(run_info, tokenizer):
-            batch = data.PadCollator(tokenizer.pad_token_id)([ex])
+            batch = batching.PadCollator(tokenizer.pad_token_id)([ex])
             s, c = token_loss_sums(model(input_ids=batch["input_ids"]).logits, batch["labels"])
             sums.append(s.item())
             counts.append(c.item())
@@ -285,7 +286,7 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune_kit import data
+    from finetune_kit.data import batching
     from finetune_kit.training.evaluation import token_loss_sums
 
     saved = AutoModelForCausalLM.from_pretrained(run / "model")
@@ -298,7 +299,7 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama2):
     assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
 
     eval_set = sample_examples(tokenizer, run_info["eval_example_ids"], MAX_SEQ_LEN, "llama2")
-    batch = data.PadCollator(tokenizer.pad_token_id)(eval_set)
+    batch = batching.PadCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     sums, counts = token_loss_sums(logits, batch["labels"])
@@ -489,7 +490,7 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     from collections import namedtuple
 
     from finetune_kit.errors import UserInputError
-    from finetune_kit.training import checkpoints
+    from finetune_kit.training.checkpointing import checkpoints
 
     args = {"--deepspeed": "configs/zero2.json", "--model": str(tiny_llama2), "--data": str(SAMPLE),
             "--max_seq_len": "128", "--output_dir": str(tmp_path / "out")}

@@ -209,15 +209,14 @@ def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_ll
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from finetune_kit import models
     from finetune_kit.data import reviews
-    from finetune_kit.models import qlora
+    from finetune_kit.models import loading, qlora
 
     tensors = load_file(run / "adapter/adapter_model.safetensors")
     assert any("lora_A" in k for k in tensors) and any("score" in k for k in tensors)
     assert all(t.numel() > 0 for t in tensors.values()), {k: t.shape for k, t in tensors.items()}
 
-    tokenizer = models.load_tokenizer(str(run / "adapter"))
+    tokenizer = loading.load_tokenizer(str(run / "adapter"))
     base = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
     model = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
     qlora.keep_cpu_weights_unpacked(model)  # the numerics path the run used on CPU
@@ -322,7 +321,7 @@ def test_merge_names_what_the_run_folder_lacks(missing, message, run, tmp_path):
 
     copy = tmp_path / "run"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", missing))
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.merge", str(copy)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.merge", str(copy)], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (copy / "merged").exists()
 
@@ -424,7 +423,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
 
 def test_the_same_reviews_split_four_ways_train_one_adapter(split_run):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): each review's loss over
-    the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (training.loop's
+    the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (finetune_kit.losses'
     unit tests show a short micro-batch weighing no more than a full one, which these full ones cannot)."""
     split_run.ahead(SPLITS)
     runs = {split: split_run(*split) for split in SPLITS}

@@ -297,7 +297,8 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from finetune_kit import data, models
+    from finetune_kit.data import batching
+    from finetune_kit.models import loading
     from finetune_kit.training.evaluation import token_loss_sums
 
     saved = AutoModelForCausalLM.from_pretrained(run / "model")
@@ -309,9 +310,9 @@ def test_consolidated_model_is_the_trained_model(run, run_info, tiny_llama3):
     original = AutoModelForCausalLM.from_pretrained(tiny_llama3)
     assert not torch.equal(original.lm_head.weight, saved.lm_head.weight)  # training changed it
 
-    tokenizer = models.load_tokenizer(str(run / "model"))
+    tokenizer = loading.load_tokenizer(str(run / "model"))
     eval_set = sample_examples(tokenizer, run_info["eval_example_ids"], 128)
-    batch = data.PadCollator(tokenizer.pad_token_id)(eval_set)
+    batch = batching.PadCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         assert torch.equal(logits, rebuilt(input_ids=batch["input_ids"],
@@ -552,12 +553,14 @@ def test_packed_rows_train_the_same_through_sdpas_block_mask(recipe_copy, tiny_l
 
 
 def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
-    from finetune_kit import data, models
+    from finetune_kit.data import instructions
     from finetune_kit.metering.run_record import RunRecord
+    from finetune_kit.models import loading
 
     output, stdout = chat_run
     rec = RunRecord.read(output / "run_record.json")
-    _, expected = data.tokenize_rows(data.load_rows(str(SAMPLE_CHAT)), models.load_tokenizer(str(tiny_llama3)), 128)
+    _, expected = instructions.tokenize_rows(instructions.load_rows(str(SAMPLE_CHAT)),
+                                             loading.load_tokenizer(str(tiny_llama3)), 128)
     assert rec.data == expected and rec.training.packing
     assert (rec.data.format, rec.data.chat_template) == ("messages", "tokenizer's own")
     assert rec.data.truncated > 0 and rec.data.examples + rec.data.dropped_too_long == rec.data.rows
@@ -584,7 +587,8 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
 
 # ---- one model, however the batch is split ----
 
-PER_MICRO_BATCH_MEAN = "loss = model(**data.model_inputs(batch)).loss / step.backward_scale"  # before the step's count
+# the loss before the step's count: each micro-batch its own mean
+PER_MICRO_BATCH_MEAN = "loss = model(**data.model_inputs(batch)).loss / step.backward_scale"
 
 
 @pytest.fixture(scope="module")
@@ -609,7 +613,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
                 control = tmp_path_factory.mktemp("control") / "recipe"
                 shutil.copytree(recipe_copy, control)
                 script = (control / "train.py").read_text()
-                line = "loss = model(**data.model_inputs(batch), num_items_in_batch=step.labelled).loss"
+                line = "loss = losses.causal_lm_loss(model, data.model_inputs(batch), step.labelled)"
                 assert line in script
                 (control / "train.py").write_text(script.replace(line, PER_MICRO_BATCH_MEAN))
             cwd = control
@@ -1054,7 +1058,7 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     from collections import namedtuple
 
     from finetune_kit.errors import UserInputError
-    from finetune_kit.training import checkpoints
+    from finetune_kit.training.checkpointing import checkpoints
 
     args = {"--model": str(tiny_llama3), "--data": str(SAMPLE), "--max-seq-len": "128",
             "--output": str(tmp_path / "out")}

@@ -22,7 +22,10 @@ def test_the_table_has_at_least_twenty_numbered_rows_across_the_recipes():
 
 
 def test_every_fragment_is_part_of_a_message_in_the_package():
-    source = "\n".join(p.read_text() for p in (REPO / "shared/finetune_kit").rglob("*.py"))
+    """The runtime's messages, and those of make eval and make merge (the tools package's harness/ and merge.py)."""
+    tools = REPO / "shared/tools/finetune_tools"
+    files = [*(REPO / "shared/finetune_kit").rglob("*.py"), *(tools / "harness").rglob("*.py"), tools / "merge.py"]
+    source = "\n".join(p.read_text() for p in files)
     missing = [f"row {r[0]}: {r[3]!r}" for r in rows() if r[3] not in source]
     assert not missing, missing
 

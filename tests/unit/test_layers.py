@@ -16,6 +16,7 @@ TOOLS = SHARED / "tools/finetune_tools"  # the tools over the repository; may us
 LAYERS = [
     ("errors", "caches", "command_line"),  # caches: what the kit reuses between launches; command_line: argparse
     ("outputs", "output_lock", "model_card"),  # model_card: a saved folder's README.md, from the run's files
+    ("losses",),  # the labels that take no loss, the step's count and scale, the causal LM's and classifier's loss
     ("data",),
     ("models",),
     ("launch",),
@@ -23,9 +24,9 @@ LAYERS = [
     ("planning",),  # the memory check: model shapes, the launched configs
     ("check",),
     ("training",),
-    ("harness", "merge"),  # python -m finetune_kit.harness / .merge: evaluate, merge what a finished run saved
 ]
 TOOL_LAYERS = [
+    ("harness", "merge"),  # python -m finetune_tools.harness / .merge (make eval, make merge): the runtime alone
     ("paths", "tables", "tiny_models", "samples", "deepspeed_configs"),
     ("planning",),
     ("repo",),  # the README blocks hold the planner's tables
@@ -94,6 +95,12 @@ def test_every_import_points_down():
 
 def test_every_import_of_the_tools_points_down_or_into_the_runtime():
     assert upward_imports(TOOLS, TOOL_RANK) == []
+
+
+@pytest.mark.parametrize("package,rank", [(PACKAGE, RANK), (TOOLS, TOOL_RANK)], ids=["runtime", "tools"])
+def test_every_layer_names_a_part_of_its_package(package, rank):
+    """A part that moved (to the other package, or away) leaves no stale name in the layers above."""
+    assert [name for name in rank if not (package / name).is_dir() and not (package / f"{name}.py").is_file()] == []
 
 
 def test_the_check_sees_an_upward_import_and_the_runtime_using_a_tool(tmp_path):

@@ -14,7 +14,7 @@
   alone (tests/unit/data/test_packing.py checks the losses agree).
 
 Collators also return ``example_ids`` (the source rows in each row): pop it before the
-forward pass (``training.steps`` and :class:`RowRecorder` do).
+forward pass (``loop.steps`` and :class:`RowRecorder` do).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from finetune_kit.data.instructions import IGNORE_INDEX
+from finetune_kit.losses import IGNORE_INDEX
 
 
 def pack(examples: Iterable[dict], max_seq_len: int) -> list[dict]:

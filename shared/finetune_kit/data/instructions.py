@@ -9,7 +9,7 @@ the sequence's last answer also ends with the tokenizer's EOS, so generation lea
 
 Conversations longer than ``max_seq_len`` lose whole turns from the end (``truncated``);
 one whose first answer does not fit is dropped (``dropped_too_long``), never cut mid-answer.
-:class:`DataCounts` says how many of each; the run record keeps it.
+:class:`~.counts.DataCounts` says how many of each; the run record keeps it.
 """
 
 from __future__ import annotations
@@ -19,36 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit.data import formats, templates, token_cache
+from finetune_kit.data.counts import DataCounts
 from finetune_kit.errors import DataError
+from finetune_kit.losses import IGNORE_INDEX
 
 SAMPLE_DIR = Path(__file__).parent / "samples"
 SAMPLE_INSTRUCTIONS = SAMPLE_DIR / "instructions.jsonl"
 
-IGNORE_INDEX = -100  # label value the loss skips (everything but the assistant's turns, and padding)
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv"}
 OK, TRUNCATED, TOO_LONG, NO_ANSWER = "ok", "truncated", "too_long", "no_answer"
-
-
-@dataclass(frozen=True)
-class DataCounts:
-    """What tokenisation made of the rows; in the run record under ``data``."""
-
-    source: str
-    format: str
-    chat_template: str
-    rows: int  # read from the source
-    examples: int  # sequences kept (before the validation split and packing)
-    truncated: int  # kept, with turns from the end removed to fit max_seq_len
-    dropped_too_long: int  # the first answer alone does not fit max_seq_len
-    dropped_no_answer: int  # no assistant turn with text
-    tokens: int  # in the kept sequences
-    learnt_tokens: int  # of those, carrying loss
-
-    def summary(self) -> str:
-        return (f"data: {self.rows} rows of {self.source} ({self.format}, chat template {self.chat_template}) -> "
-                f"{self.examples} examples, {self.truncated} truncated at a turn, {self.dropped_too_long} dropped "
-                f"as too long, {self.dropped_no_answer} without an answer; {self.learnt_tokens}/{self.tokens} "
-                "tokens carry loss")
 
 
 @dataclass

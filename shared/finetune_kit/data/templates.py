@@ -108,4 +108,4 @@ def end_of_turn_ids(tokenizer, template: ChatTemplate) -> list[int]:
     return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
 
 
-chat_template = resolve  # as a recipe reads it: data.chat_template(args.chat_template, tokenizer)
+chat_template = resolve  # as a recipe reads it: templates.chat_template(args.chat_template, tokenizer)

@@ -20,11 +20,9 @@ each rank a 64 MiB buffer in ``/dev/shm`` and never remove it, so every run woul
 buffers behind in RAM. Both entry points remove this rank's name once every rank has mapped every
 other's (:func:`release_shm_buffer`); the mappings stay valid until the ranks exit.
 
-A fourth costs seconds at every CPU launch: DeepSpeed's CPU op builders ask py-cpuinfo about the CPU
-at each op they load, each time from a new Python process; both entry points keep its first answer
-(:mod:`finetune_kit.launch.cpu_info`). A fifth, at every step: DeepSpeed's CPU accelerator reads the NUMA
-layout from a new process each time ZeRO-3 reduces gradients; both keep its first answer too
-(:mod:`finetune_kit.launch.numa_layout`).
+Both entry points also apply the start-up speed-ups for CPU launches (:mod:`finetune_kit.launch.startup`):
+py-cpuinfo's answer and the NUMA layout, which DeepSpeed would otherwise ask of a new process at each op it
+loads and at each gradient reduce.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from finetune_kit.launch import cpu_info, env, fsdp, numa_layout
+from finetune_kit.launch import env, fsdp, startup
 
 # DeepSpeed 0.19 calls torch's deprecated collective names on every step; the warning is
 # repeated per rank per step and says nothing the user can act on.
@@ -71,9 +69,7 @@ def make_accelerator(**kwargs) -> Accelerator:
     :func:`~finetune_kit.launch.env.collective_timeout_s`; gloo on CPU-only machines."""
     handlers = list(kwargs.pop("kwargs_handlers", []) or [])
     timeout = timedelta(seconds=env.collective_timeout_s())
-    if on_cpu_only():
-        cpu_info.keep()
-        numa_layout.keep()
+    startup.speed_up()  # on a CPU-only machine: py-cpuinfo's answer and the NUMA layout kept
     if on_cpu_only() and env.world_size() > 1:
         handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=timeout))
     elif not on_cpu_only():
@@ -114,8 +110,7 @@ def trainer_cpu_overrides() -> dict:
         return {}
     from accelerate import PartialState
 
-    cpu_info.keep()
-    numa_layout.keep()
+    startup.speed_up()
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     state = PartialState(backend="gloo", timeout=timedelta(seconds=env.collective_timeout_s()))
     release_shm_buffer(state.wait_for_everyone)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from finetune_kit.data.instructions import DataCounts
+from finetune_kit.data.counts import DataCounts
 from finetune_kit.metering.flops import device_name
 
 SCHEMA = "finetune-kit/run-record/2"  # 2: hardware.peak_bf16_tflop_per_s_per_device
@@ -113,7 +113,7 @@ class RunRecord(_Strict):
     measured: Measured
     data: DataCounts | None = None  # instruction recipes: what tokenisation kept, truncated, dropped
     samples: list[dict] | None = None  # generative recipes: held-out prompts and the final model's answers
-    evaluation: dict | None = None  # `make eval`'s summary (finetune_kit.harness): task -> metric -> value
+    evaluation: dict | None = None  # `make eval`'s summary (finetune_tools.harness): task -> metric -> value
     notes: str = ""
 
     def write(self, path: Path) -> Path:

@@ -1,6 +1,6 @@
 """Attention for packed rows that never crosses an example, with no mask built: a variable-length kernel.
 
-Packed rows (``data.pack``) hold several whole examples end to end, with ``position_ids`` that
+Packed rows (``batching.pack``) hold several whole examples end to end, with ``position_ids`` that
 restart at 0 for each. transformers' SDPA path turns those restarts into a dense block-diagonal
 mask of tokens x tokens for every layer and computes the blocks it then masks out. This attention
 reads the examples' boundaries from ``position_ids`` instead (cumulative lengths, as FlashAttention's

@@ -130,10 +130,10 @@ class LoopArguments:
     seed: int = flag(42, "seed of the data order and the initialisation of new weights")
 
 
-def global_batch(args, world: int) -> int:
-    """Sequences per optimizer step of a launch of ``world`` ranks: micro-batch x accumulation x the ranks that read
-    different sequences (ranks that share each sequence, ``--sequence-parallel``, read the same ones)."""
-    return args.micro_batch_size * args.grad_accum * world // getattr(args, "sequence_parallel", 1)
+def global_batch(args, data_ranks: int) -> int:
+    """Sequences per optimizer step: micro-batch x accumulation x ``data_ranks``, the ranks that read different
+    sequences (:attr:`~finetune_kit.training.input_checks.CheckedLaunch.data_ranks`)."""
+    return args.micro_batch_size * args.grad_accum * data_ranks
 
 
 def parse(arguments: type, argv=None, *, description: str, trainer: type | None = None, **defaults):

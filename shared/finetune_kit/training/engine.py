@@ -18,10 +18,10 @@ def start(checked, args):
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
     from finetune_kit.launch.accelerator import make_accelerator
-    from finetune_kit.launch.muon_import import import_muon_uncompiled
+    from finetune_kit.launch.startup import speed_up
 
     if checked.fsdp is None:  # DeepSpeed's ZeRO check would import it with torch.compile's set-up (seconds per rank)
-        import_muon_uncompiled(checked.ds_config)
+        speed_up(checked.ds_config)
     acc = make_accelerator(
         # steps() reads a step's micro-batches before the first backward: the loader's end is then reached
         # before the step's last micro-batch, so the boundary is counted, not taken from the loader
@@ -33,6 +33,8 @@ def start(checked, args):
     trackers.start(acc, checked.recipe, checked.script_args)
     if checked.reshaping() and checked.fsdp is None:  # another number of ranks: DeepSpeed's universal format
         acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    if getattr(args, "sequence_parallel", 1) > 1:  # its loader is sharded before prepare, which then cannot fill it
+        acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
     engine = (f"ZeRO stage {config_checks.zero_stage(checked.ds_config)}, config {checked.ds_path}"
               if checked.fsdp is None else "FSDP2 (full sharding; fp32 weights, bf16 compute, fp32 gradient reduction)")
     acc.print(f"world size {acc.num_processes}, device {acc.device}, {engine}")

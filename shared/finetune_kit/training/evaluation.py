@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune_kit.data.batching import model_inputs
-from finetune_kit.data.instructions import IGNORE_INDEX
+from finetune_kit.losses import IGNORE_INDEX
 from finetune_kit.models.compiled_layers import eager
 
 

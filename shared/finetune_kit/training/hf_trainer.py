@@ -32,8 +32,8 @@ from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 from finetune_kit.models.activation_offload import offload_activations
-from finetune_kit.training import checkpoints
-from finetune_kit.training.adam_resume import replay_bias_correction
+from finetune_kit.training.checkpointing import checkpoints
+from finetune_kit.training.checkpointing.adam_resume import replay_bias_correction
 from finetune_kit.training.stop import StopSignal, stop_line
 
 
@@ -134,7 +134,7 @@ def _reporting(args) -> bool:
 
 class ResumeCallback(TrainerCallback):
     """After the Trainer loaded a DeepSpeed checkpoint (before its first step): DeepSpeed's native CPU
-    Adam gets the beta**t state the uninterrupted run had (:mod:`finetune_kit.training.adam_resume`)."""
+    Adam gets the beta**t state the uninterrupted run had (:mod:`finetune_kit.training.checkpointing.adam_resume`)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
@@ -226,15 +226,12 @@ def check_enough_data(args, train_examples: int) -> None:
 
 def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrainer:
     """A :class:`MeteredTrainer` on ``args`` (metered like the accelerate loops), which checkpoints before a
-    stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. It holds
-    the output folder until the run ends (:mod:`finetune_kit.output_lock`)."""
-    from finetune_kit import output_lock
-    from finetune_kit.launch.muon_import import import_muon_uncompiled
+    stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. The recipe
+    holds the output folder around it (``training.hold_output``)."""
+    from finetune_kit.launch.startup import speed_up
     from finetune_kit.metering import prometheus
 
-    import_muon_uncompiled(checked.ds_config)  # DeepSpeed's ZeRO check would import it with torch.compile's set-up
-    if args.process_index == 0:
-        output_lock.acquire(checked.output)
+    speed_up(checked.ds_config)  # DeepSpeed's ZeRO check would import Muon with torch.compile's set-up
     trainer = MeteredTrainer(args=args, flop_counter=FlopCounter(checked.shape, num_labels=checked.num_labels),
                              metrics_dir=checked.output, endpoint=prometheus.open_endpoint(checked.recipe),
                              offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)

@@ -26,11 +26,12 @@ from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
-from finetune_kit.planning import memory
-from finetune_kit.training import checkpoints, resharding, sequence_parallel
+from finetune_kit.planning import verdict
+from finetune_kit.training import sequence_parallel
+from finetune_kit.training.checkpointing import checkpoints, resharding
 
 # What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
-# are planning.memory.describe_changes' defaults).
+# are planning.verdict.describe_changes' defaults).
 TRAINER_FLAGS = {"micro_batch": "--per_device_train_batch_size", "grad_accum": "--gradient_accumulation_steps",
                  "gradient_checkpointing": "--activation_checkpointing true", "loss_chunks": "--loss_chunks"}
 
@@ -49,13 +50,15 @@ class CheckedLaunch:
     ds_path: Path | None  # the launched DeepSpeed JSON; None under FSDP2
     ds_config: dict  # its settings; {} under FSDP2
     fsdp: fsdp.FsdpLaunch | None  # the FSDP2 settings, when the launch config selects FSDP
-    memory_plan: memory.Plan
+    memory_plan: verdict.Plan
     resume_from: Path | None  # the checkpoint to continue, or None for a fresh run
     identity: dict  # what a resumed checkpoint must share with this launch
     checkpoint_estimate: int  # bytes of the first checkpoint, before one exists to measure
     script_args: dict  # what configures the run, for the record's config hash
     method: str = "full"  # "full" | "lora" | "qlora": picks the FLOP formula and labels the record
     num_labels: int | None = None  # a classification head instead of the LM head
+    data_ranks: int = 1  # ranks that read different sequences (the world over --sequence-parallel): what the global
+    #                      batch, the schedule and a checkpoint's data position count in
 
     @property
     def engine(self) -> str:
@@ -113,6 +116,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                                               max_seq_len=args.max_seq_len, micro_batch=args.micro_batch_size)
     if spanning and env.is_main_rank():
         print(spanning, file=sys.stderr)
+    data_ranks = env.world_size() // getattr(args, "sequence_parallel", 1)  # the check above: it divides
     fp8.check(getattr(args, "fp8", "none"), method=method, device_capability=_device_capability(),
               cpu_ram_efficient_loading=bool(fsdp_launch and fsdp_launch.cpu_ram_efficient_loading))
     if getattr(args, "tiled_mlp", False) and fsdp_launch is not None:
@@ -126,7 +130,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
 
     def check_resume(checkpoint: Path) -> None:
         checkpoints.check_same_run(checkpoint, identity)
-        resharding.check_reshape(checkpoint, args, zero_stage, ds_config)
+        resharding.check_reshape(checkpoint, args, zero_stage, ds_config, data_ranks)
 
     return _common(
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
@@ -142,7 +146,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                            kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable()),
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
-        saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model,
+        saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
         script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
@@ -209,10 +213,10 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
-            num_labels: int | None = None) -> CheckedLaunch:
+            num_labels: int | None = None, data_ranks: int | None = None) -> CheckedLaunch:
     """The checks both front ends share, in order: memory, the model's tokenizer files, engine needs, metrics,
     output, resume, disk."""
-    plan = memory.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
+    plan = verdict.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
                             **memory_kwargs)
     models.check_tokenizer_files(model)
     if fsdp_launch is None:
@@ -236,7 +240,8 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         if problem:
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
     return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
-                     identity, estimate, script_args, method=method, num_labels=num_labels)
+                         identity, estimate, script_args, method=method, num_labels=num_labels,
+                         data_ranks=env.world_size() if data_ranks is None else data_ranks)
 
 
 def _stage(fsdp_launch, ds_config: dict) -> int:
@@ -269,7 +274,7 @@ def _recompute_every(every: int, flag: str) -> int:
 
 
 def _loss_kernel(choice: str, flag: str) -> None:
-    from finetune_kit.models.chunked_loss import KERNELS, LIGER_TESTED, liger_available
+    from finetune_kit.losses import KERNELS, LIGER_TESTED, liger_available
 
     if choice not in KERNELS:
         raise ConfigError(f"{flag} {choice}: the loss kernel is one of {', '.join(KERNELS)}. Pass {flag} auto.")

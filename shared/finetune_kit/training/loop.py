@@ -1,22 +1,6 @@
 """The optimizer steps of a run: how many (:class:`Schedule`), where training stands (:class:`Position`), and
-each step's micro-batches with the labelled tokens of the whole step that the loss divides by (:func:`steps`).
-
-A micro-batch's mean loss (``model(**batch).loss``) weighs each of its labelled tokens by one over
-that micro-batch's count; accumulation and the data-parallel average then weigh every micro-batch
-the same. With the loss on assistant turns only, labelled tokens per micro-batch vary several-fold,
-so the objective changed with the split of the global batch: 1 rank x micro-batch 8 and 1 rank x 2 x
-accumulation 4 logged losses 8.6e-3 apart at the first step (same weights, same tokens). The fix, as
-torchtune and torchtitan do it and as the HF Trainer does since transformers 4.46
-(``num_items_in_batch``): count the labelled tokens of the whole step on every rank before its first
-backward (one all-reduce), and give each micro-batch the loss ``sum of its token losses / that count``.
-The micro-batch losses of a step, summed over micro-batches and ranks, are then the step's token mean,
-whatever the split.
-
-DeepSpeed (``engine.backward`` divides by the accumulation steps; its gradient reduction averages over
-the data-parallel ranks) and accelerate under FSDP2 (``Accelerator.backward`` divides by the
-accumulation steps; ``fully_shard``'s reduce-scatter averages) both take a mean where a sum is now
-wanted: :attr:`Step.backward_scale` undoes it.
-"""
+each step's micro-batches with the labelled tokens of the whole step that the loss divides by (:func:`steps`;
+why one count per step, and the scale that goes with it: :mod:`finetune_kit.losses`)."""
 
 from __future__ import annotations
 
@@ -26,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune_kit import losses
 from finetune_kit.errors import ConfigError
-
-IGNORE_INDEX = -100  # labels that take no loss (prompt tokens, padding), as transformers counts them
 
 
 @dataclass(frozen=True)
@@ -73,7 +56,7 @@ class Step:
 
     micro_batches: list[dict]
     labelled: torch.Tensor  # labelled tokens (a classifier: labelled rows) of the whole step on all ranks
-    backward_scale: int  # accumulation steps x data-parallel ranks: the mean DeepSpeed or accelerate take
+    backward_scale: int  # accumulation steps x data-parallel ranks: the mean DeepSpeed or accelerate take (losses)
     number: int  # this step's number, from 1
     epoch: int  # the epoch it belongs to, from 0
     ends_epoch: bool
@@ -82,24 +65,6 @@ class Step:
     lr: float  # the learning rate it trains with
     example_ids: list[int]  # the source rows of this rank's micro-batches
     started: float  # time.perf_counter() when its first micro-batch was read: data loading is training time
-
-
-def labelled_items(batch: dict) -> torch.Tensor:
-    """What the loss of ``batch`` averages over: the labelled next-token targets of a causal LM
-    (``labels`` of shape (batch, seq), shifted by one as transformers' loss shifts them), or the
-    labelled rows of a classifier (``labels`` of shape (batch,)); a sequence-parallel slice's
-    ``shift_labels`` are shifted already."""
-    if "shift_labels" in batch:
-        return (batch["shift_labels"] != IGNORE_INDEX).sum()
-    labels = batch["labels"]
-    targets = labels if labels.dim() == 1 else labels[..., 1:]
-    return (targets != IGNORE_INDEX).sum()
-
-
-def labelled_on_all_ranks(micro_batches: list[dict], accelerator) -> torch.Tensor:
-    """The labelled items of ``micro_batches`` summed over every rank (every rank calls it: one all-reduce)."""
-    local = sum(labelled_items(b) for b in micro_batches).to(accelerator.device, torch.int64)
-    return accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
 
 
 def steps(accelerator, train_dl, scheduler, schedule: Schedule, start: Position) -> Iterator[Step]:
@@ -126,7 +91,7 @@ def steps(accelerator, train_dl, scheduler, schedule: Schedule, start: Position)
             ends_epoch = pos.batch_in_epoch + accum >= schedule.steps_per_epoch * accum
             after = (Position(number, pos.epoch + 1, 0) if ends_epoch else
                      Position(number, pos.epoch, pos.batch_in_epoch + accum))
-            yield Step(window, labelled_on_all_ranks(window, accelerator), accum * accelerator.num_processes,
+            yield Step(window, losses.labelled_on_all_ranks(window, accelerator), losses.backward_scale(accelerator),
                        number, pos.epoch, ends_epoch, number == schedule.total_steps, after,
                        scheduler.get_last_lr()[0], ids, started)
             pos, window, ids, started = after, [], [], time.perf_counter()

@@ -1,8 +1,9 @@
 """What a run writes about itself: the step meter it logs with (:func:`step_meter`), its validations
 (:func:`validation`), and at its end ``run_record.json`` and ``run_info.json``
 (:mod:`finetune_kit.metering.run_record`) with the summary line (:func:`finish`), or the line of a run
-stopped by a signal (:func:`stopped`). Both ends leave the process group with every rank and release the
-output folder. The HF Trainer recipe ends through :func:`finish` too.
+stopped by a signal (:func:`stopped`). Both ends leave the process group with every rank (the recipe's
+``training.hold_output`` block then gives the output folder back). The HF Trainer recipe ends through
+:func:`finish` too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune_kit import output_lock, outputs
+from finetune_kit import outputs
 from finetune_kit.launch import cuda_allocator, env
 
 
@@ -27,8 +28,8 @@ class DataSplit:
     @classmethod
     def of(cls, train_set, eval_set=None, counts=None, rows=None) -> DataSplit:
         """From the two datasets (rows carry ``example_ids`` or ``example_id``); prints ``counts``' summary.
-        ``rows``: the source rows (``data.load_rows``' or ``reviews.load_reviews``'), whose held-out ones are kept
-        for the sample answers and the evaluation harness."""
+        ``rows``: the source rows (``instructions.load_rows``' or ``reviews.load_reviews``'), whose held-out ones
+        are kept for the sample answers and the evaluation harness."""
         if counts is not None and env.is_main_rank():
             print(counts.summary())
         ids = example_ids(eval_set) if eval_set is not None else []
@@ -80,14 +81,13 @@ def stopped(accelerator, checked, stop, step, total_steps: int, checkpoint: Path
     accelerator.print(stop_line(stop.describe(), step.number, total_steps, checkpoint))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    output_lock.release(checked.output)
 
 
 def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps: int, split: DataSplit,
            evals: list[dict], saved_to: Path | None, batch: dict, details: dict | None = None,
            training: dict | None = None, samples: list[dict] | None = None) -> None:
     """Close the ``meter``, write ``run_record.json`` and ``run_info.json``, print the summary, leave the
-    process group, release the output folder. Every rank calls it.
+    process group. Every rank calls it.
 
     ``model``: the prepared engine; ``meter``: the run's step meter (its ``rates``, ``flop_counter`` and
     ``seen_ids``: the rows this rank trained on); ``steps``/``total_steps``: optimizer steps taken and
@@ -98,11 +98,10 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     Rank 0 also writes ``heldout.jsonl`` (the held-out rows) and the model card of what was saved."""
     from accelerate.utils import gather_object
 
-    from finetune_kit import model_card
+    from finetune_kit import losses, model_card
     from finetune_kit.metering import peak_memory
     from finetune_kit.metering import run_record as record
-    from finetune_kit.models import chunked_loss
-    from finetune_kit.training.partitions import rank_report
+    from finetune_kit.training.checkpointing.partitions import rank_report
 
     acc, rates, seen_ids = accelerator, meter.rates, meter.seen_ids
     meter.close()
@@ -121,7 +120,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             warmup_steps=args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
             predicted_gpu_GiB=checked.memory_plan.gpu_bytes / 2**30,
             training={"method": checked.method, "seq_len": args.max_seq_len, **batch, "loss_chunks": chunks,
-                      "loss_kernel": chunked_loss.loss_kernel(getattr(args, "loss_kernel", "chunked"))
+                      "loss_kernel": losses.loss_kernel(getattr(args, "loss_kernel", "chunked"))
                       if chunks else "none",
                       "offload_activations": bool(getattr(args, "offload_activations", False)), **(training or {})})
         run_record.data = split.counts
@@ -155,7 +154,6 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     # down its gloo connections while another still writes can die at exit with SIGABRT.
     acc.wait_for_everyone()
     acc.end_training()
-    output_lock.release(checked.output)
 
 
 def jsonl(rows: list[dict]) -> str:

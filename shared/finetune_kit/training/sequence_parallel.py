@@ -18,7 +18,7 @@ What this module adds to DeepSpeed's pieces, and why:
   changes the order in which sequences reach the optimizer with N; reading the same rows on every
   rank of a group keeps the order, and the run, that of a launch without sequence parallelism.
 - The loss: each rank's loss is the sum of its slice's token losses over the labelled tokens of the
-  whole step on all ranks (:mod:`.loop`); summed over ranks it is the step's token mean. DeepSpeed is
+  whole step on all ranks (:mod:`finetune_kit.losses`); summed over ranks it is the step's token mean. DeepSpeed is
   not told about the groups (no ``mpu``): it averages gradients over all ranks, and the step's
   backward scale (accumulation x all ranks) makes that average the sum again. A rank's gradient
   includes, through the all-to-all's backward, what its keys and values contributed to the other
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from finetune_kit.errors import ConfigError
 
-IGNORE_INDEX = -100
 KERNELS = ("sdpa", "packed_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")  # not eager
 
 
@@ -155,6 +154,8 @@ class SequenceShard:
         import torch
         from torch.nn import functional as F
 
+        from finetune_kit.losses import IGNORE_INDEX
+
         batch = self.collate(rows)
         ids, labels = batch["input_ids"], batch["labels"]
         positions = batch.get("position_ids")
@@ -181,7 +182,6 @@ def shard_loader(accelerator, loader, groups: Groups):
         return loader
     from accelerate.data_loader import prepare_data_loader
 
-    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = loader.batch_size
     sharded = prepare_data_loader(
         loader, accelerator.device, num_processes=groups.data_ranks, process_index=groups.data_rank,
         split_batches=accelerator.split_batches, put_on_device=True, rng_types=accelerator.rng_types.copy(),

@@ -7,9 +7,12 @@
     repo/       the generated README blocks, the pins against the locks and Dockerfiles (``make readmes``)
     samples/    the generators of the shipped sample data
     tiny_models tiny models of the recipes' families, for the tests and ``make demo``
+    harness/    ``python -m finetune_tools.harness`` (``make eval``): lm-evaluation-harness on a finished run's model
+    merge.py    ``python -m finetune_tools.merge`` (``make merge``): a QLoRA adapter merged into its 16-bit base
 
 They run from a checkout (``PYTHONPATH=shared/tools``, as the Makefile sets it) or installed beside the
-runtime (``pip install ./shared/tools``, as the test sessions do): they read and write the repository's own
-files (results/, the recipes' memory_plan.json, the locks and Dockerfiles), so an image or a
-practitioner's ``pip install .`` of the runtime leaves them out.
+runtime (``pip install ./shared/tools``, as the test sessions do): most read and write the repository's own
+files (results/, the recipes' memory_plan.json, the locks and Dockerfiles), so a practitioner's
+``pip install .`` of the runtime leaves them out; an image has them in /workspace/shared/tools, where
+``make eval`` and ``make merge`` find them.
 """

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune_kit.data import IGNORE_INDEX, PackedCollator, PadCollator, instructions, model_inputs, pack, templates
+from finetune_kit.data import instructions, templates
+from finetune_kit.data.batching import PackedCollator, PadCollator, model_inputs, pack
+from finetune_kit.losses import IGNORE_INDEX
 from finetune_kit.metering.throughput import token_spans
 from finetune_kit.models.loading import load_tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 
 from finetune_kit import caches
 from finetune_kit.data import instructions, token_cache
-from finetune_kit.models import load_tokenizer
+from finetune_kit.models.loading import load_tokenizer
 from tests.harness import SAMPLE
 
 

@@ -55,13 +55,13 @@ def test_built_model_loads_with_the_planned_size(tiny_check_model):
 def test_synthetic_data_fills_every_sequence(kind, tiny_check_model, tmp_path):
     """Every example is longer than the sequence length: truncation fills reviews exactly and
     conversations to within one short exchange."""
-    from finetune_kit import data, models
-    from finetune_kit.data import reviews
+    from finetune_kit.data import instructions, reviews
+    from finetune_kit.models import loading
 
-    tokenizer = models.load_tokenizer(str(tiny_check_model))
+    tokenizer = loading.load_tokenizer(str(tiny_check_model))
     path = write_data(kind, tmp_path / f"d.{'csv' if kind == 'reviews' else 'jsonl'}", rows=6, seq_len=64)
     if kind == "instructions":
-        examples, counts = data.tokenize_rows(data.load_rows(str(path)), tokenizer, 64)
+        examples, counts = instructions.tokenize_rows(instructions.load_rows(str(path)), tokenizer, 64)
         assert counts.truncated == 6
         shortest = 64 - 24  # one exchange: "Continue." and three words, with the template's headers
     else:

@@ -114,37 +114,37 @@ def test_the_documented_predicted_total_is_the_codes():
 
 @pytest.fixture(scope="module")
 def long_tokenizer(tmp_path_factory):
-    from finetune_kit import models
+    from finetune_kit.models import loading
 
     folder = build_model("llama3.1-8b", "llama3", 1, tmp_path_factory.mktemp("long") / "m", tiny=True,
                          max_positions=512 * K)
     assert json.loads((folder / "config.json").read_text())["max_position_embeddings"] == 512 * K
-    return models.load_tokenizer(str(folder))
+    return loading.load_tokenizer(str(folder))
 
 
 def test_a_long_conversation_fills_one_32k_sequence(long_tokenizer, tmp_path):
     """One conversation per sequence: truncated at a turn to within one exchange (1/256 of the
     sequence, and the template's headers) of 32K tokens, nearly every token an answer's."""
-    from finetune_kit import data
+    from finetune_kit.data import instructions
 
     seq_len = 32 * K
     path = write_data("instructions", tmp_path / "long.jsonl", rows=2, seq_len=seq_len)
-    examples, counts = data.tokenize_rows(data.load_rows(str(path)), long_tokenizer, seq_len)
+    examples, counts = instructions.tokenize_rows(instructions.load_rows(str(path)), long_tokenizer, seq_len)
     assert counts.truncated == 2 and counts.dropped_too_long == 0
     assert all(seq_len - seq_len // 64 <= len(ids) <= seq_len for ids in examples["input_ids"])
     assert counts.learnt_tokens > 0.95 * counts.tokens
 
 
 def test_long_documents_are_an_eighth_to_a_half_of_the_sequence_and_pack(long_tokenizer, tmp_path):
-    from finetune_kit import data
+    from finetune_kit.data import batching, instructions
 
     seq_len = 16 * K
     rows = 3 * runner.EXAMPLES_PER_SEQUENCE["long-documents"]
     path = write_data("long-documents", tmp_path / "docs.jsonl", rows=rows, seq_len=seq_len)
-    examples, counts = data.tokenize_rows(data.load_rows(str(path)), long_tokenizer, seq_len)
+    examples, counts = instructions.tokenize_rows(instructions.load_rows(str(path)), long_tokenizer, seq_len)
     assert counts.examples == rows and counts.dropped_too_long == 0  # none cut, none dropped
     assert all(seq_len // 10 <= len(ids) <= seq_len * 6 // 10 for ids in examples["input_ids"])
-    packed = data.pack(examples, seq_len)
+    packed = batching.pack(examples, seq_len)
     assert 1 < len(packed) < rows and all(len(row["input_ids"]) <= seq_len for row in packed)
 
 

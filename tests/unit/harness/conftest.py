@@ -122,11 +122,12 @@ def classifier_run(tmp_path_factory, tiny_llama3) -> Path:
 
 
 def run_harness(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m finetune_kit.harness ARGS`` from this checkout, as a user runs it (its own process, so that it
+    """``python -m finetune_tools.harness ARGS`` from this checkout, as a user runs it (its own process, so that it
     sets the offline variables before anything reads them); the test's environment without them."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "shared"), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, "-m", "finetune_kit.harness", *args], capture_output=True, text=True,
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "shared"), str(REPO / "shared/tools"),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.harness", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -1,4 +1,4 @@
-"""Bad input to ``python -m finetune_kit.harness``: one ``error:`` line naming the value, the rule and the fix, exit
+"""Bad input to ``python -m finetune_tools.harness``: one ``error:`` line naming the value, the rule and the fix, exit
 status 2, before any weights load (docs/bad-input.md lists each with its test here)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_kit.harness.__main__ import main
+from finetune_tools.harness.__main__ import main
 from tests.unit.harness.conftest import CONVERSATIONS, write_jsonl
 
 CONVERSATION_ROWS = [{"example_id": n, "messages": m} for n, m in enumerate(CONVERSATIONS)]

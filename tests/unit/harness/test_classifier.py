@@ -36,7 +36,7 @@ def test_acc_and_f1_equal_the_classifiers_own_predictions(classifier_run, folder
 
 
 def test_the_default_model_of_a_run_with_merged_and_adapter_is_merged(classifier_run):
-    from finetune_kit.harness import inputs
+    from finetune_tools.harness import inputs
 
     evaluation = inputs.check(str(classifier_run), device="cpu")
     assert evaluation.model == inputs.ModelSource(classifier_run / "merged", inputs.CLASSIFIER)
@@ -50,7 +50,7 @@ def test_the_classifier_answers_label_names_only_and_no_generation(classifier_ru
     from lm_eval.api.registry import get_model
 
     from finetune_kit.errors import UserInputError
-    from finetune_kit.harness.classifier import SequenceClassifierLM
+    from finetune_tools.harness.classifier import SequenceClassifierLM
 
     assert get_model("finetune-classifier") is SequenceClassifierLM
     model = SequenceClassifierLM.create_from_arg_string(f"pretrained={classifier_run / 'merged'},dtype=float32")

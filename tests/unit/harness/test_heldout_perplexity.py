@@ -108,7 +108,7 @@ def test_lm_evals_own_hf_model_would_score_the_headers_newlines_as_answer(evalua
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune_kit.harness.causal import ChatTurnLM, encode_pair
+    from finetune_tools.harness.causal import ChatTurnLM, encode_pair
 
     run, _ = evaluated
     tokenizer = AutoTokenizer.from_pretrained(run / "model")

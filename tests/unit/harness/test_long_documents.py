@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from finetune_kit.harness.inputs import BATCH_TOKENS, MAX_BATCH, default_batch_size
+from finetune_tools.harness.inputs import BATCH_TOKENS, MAX_BATCH, default_batch_size
 from tests.unit.harness.conftest import CONVERSATIONS, summary
 
 MAX_SEQ_LEN = 40  # shorter than the longest held-out conversation (asserted), longer than every answer
@@ -41,7 +41,7 @@ def forwards(monkeypatch) -> list[tuple[int, int]]:
 def test_no_forward_is_longer_than_the_run_trained_on(instruction_run, tmp_path, forwards):
     from transformers import AutoTokenizer
 
-    from finetune_kit.harness.__main__ import main
+    from finetune_tools.harness.__main__ import main
 
     run = tmp_path / "run"
     shutil.copytree(instruction_run, run, ignore=shutil.ignore_patterns("eval"))

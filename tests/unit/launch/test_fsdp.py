@@ -11,7 +11,7 @@ import pytest
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import fsdp
 from finetune_kit.models.shapes import resolve_model
-from finetune_kit.planning import memory
+from finetune_kit.planning import model_states, verdict
 from finetune_tools.planning import cli, recipe_tables
 from tests.harness import REPO
 
@@ -107,15 +107,15 @@ def test_fsdp2_memory_hand_worked_llama3_8b():
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     head = 128256 * 4096
     psi = 32 * layer + 2 * head + 4096
-    parts = memory.fsdp2_model_states(resolve_model("llama3-8b"), gpus=8)
+    parts = model_states.fsdp2_model_states(resolve_model("llama3-8b"), gpus=8)
     assert parts == {
         "fp32 weights + gradients + Adam, sharded (16 B/param / GPUs)": (0, 16 * psi // 8),
         "gathered bf16 weights (2 layers + head)": (0, 2 * (2 * layer + head)),
         "one unit's unsharded gradients (bf16 + fp32)": (0, 6 * head),
         "full fp32 state dict on rank 0 while loading": (4 * psi, 0),
     }
-    p = memory.plan("llama3-8b", memory.setup_for_fsdp2(gpus_per_node=8, micro_batch=4, seq_len=2048))
-    zero3 = memory.plan("llama3-8b", memory.Setup(gpus_per_node=8, micro_batch=4, seq_len=2048))
+    p = verdict.plan("llama3-8b", verdict.setup_for_fsdp2(gpus_per_node=8, micro_batch=4, seq_len=2048))
+    zero3 = verdict.plan("llama3-8b", verdict.Setup(gpus_per_node=8, micro_batch=4, seq_len=2048))
     assert p.gpu_by_kind()["activations"] == zero3.gpu_by_kind()["activations"]  # the same activations
     assert p.host_bytes == 4 * psi  # DeepSpeed's ZeRO-3 estimator: 1.5 x 4 bytes x largest layer x 8 GPUs
 
@@ -129,20 +129,20 @@ def test_the_decoder_layer_size_is_the_real_modules():
     with init_empty_weights():
         model = LlamaForCausalLM(LlamaConfig(**TINY))
     real = sum(p.numel() for p in model.model.layers[0].parameters())
-    parts = memory.fsdp2_model_states(resolve_model(LlamaConfig(**TINY)), gpus=1)
+    parts = model_states.fsdp2_model_states(resolve_model(LlamaConfig(**TINY)), gpus=1)
     assert parts["gathered bf16 weights (2 layers + head)"][1] == 2 * (2 * real + model.lm_head.weight.numel())
 
 
 def test_fsdp2_suggestions_change_no_deepspeed_setting():
-    setup = memory.setup_for_fsdp2(gpus_per_node=1, gpu_memory_GiB=80, micro_batch=4, seq_len=2048)
-    fix = memory.suggest("llama3-8b", setup)
+    setup = verdict.setup_for_fsdp2(gpus_per_node=1, gpu_memory_GiB=80, micro_batch=4, seq_len=2048)
+    fix = verdict.suggest("llama3-8b", setup)
     assert fix is not None and not fix.setup.offload_optimizer and fix.setup.engine == "fsdp2"
     assert fix.setup.gpus > 1 and all("zero_optimization" not in c for c in fix.changes), fix.changes
 
 
 def test_fsdp2_plan_refuses_offload_and_adapters():
     with pytest.raises(ConfigError, match="FSDP2 plan covers full fine-tuning without offload"):
-        memory.plan("llama3-8b", memory.setup_for_fsdp2(offload_optimizer=True))
+        verdict.plan("llama3-8b", verdict.setup_for_fsdp2(offload_optimizer=True))
 
 
 def test_the_recipe_plans_fsdp2_setups_from_its_yaml():

@@ -13,7 +13,7 @@ import torch
 
 from finetune_kit.launch import gpus
 from finetune_kit.metering import keys, peak_memory
-from finetune_kit.planning import memory as planning
+from finetune_kit.planning import verdict as planning
 
 GiB = 2**30
 

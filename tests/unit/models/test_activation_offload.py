@@ -57,7 +57,7 @@ def test_parameters_are_never_offloaded():
 
 
 def test_the_planner_moves_kept_activations_to_the_host():
-    from finetune_kit.planning.memory import Setup, plan
+    from finetune_kit.planning.verdict import Setup, plan
 
     kept, offloaded = (plan("llama3-8b", Setup(gpus_per_node=8, micro_batch=4, offload_activations=flag))
                        for flag in (False, True))

@@ -9,7 +9,8 @@ import pytest
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import resolve_model
-from finetune_kit.planning.memory import Setup, activation_bytes, plan
+from finetune_kit.planning.activations import activation_bytes
+from finetune_kit.planning.verdict import Setup, plan
 from finetune_tools.planning import long_context
 from finetune_tools.planning.hardware import GPUS
 from finetune_tools.planning.long_context import alst_levers, longest_context

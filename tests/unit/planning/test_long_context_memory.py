@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune_kit.planning import memory
-from finetune_kit.planning.memory import GiB, plan
+from finetune_kit.planning import activations, verdict
+from finetune_kit.planning.verdict import GiB, plan
 from finetune_tools.planning import long_context
 from finetune_tools.results import long_context_runs
 from tests.harness import REPO
@@ -48,8 +48,9 @@ def test_what_ran_out_of_memory_is_predicted_not_to_fit(m):
 def test_the_terms_before_the_measurement_miss_by_more_than_the_tolerance(monkeypatch):
     """Negative control: without the backward's gradients and with the allocator's tenth, the planner missed the
     device peaks by 30% or more and let 512K fit."""
-    monkeypatch.setattr(memory, "BACKWARD_BYTES_PER_H", 0)
-    monkeypatch.setattr(memory, "LONG_CONTEXT_FRAGMENTATION", {False: memory.FRAGMENTATION, True: memory.FRAGMENTATION})
+    monkeypatch.setattr(activations, "BACKWARD_BYTES_PER_H", 0)
+    monkeypatch.setattr(verdict, "LONG_CONTEXT_FRAGMENTATION",
+                        {False: verdict.FRAGMENTATION, True: verdict.FRAGMENTATION})
     errors = [plan(m.shape, m.setup).gpu_bytes / GiB / m.row["peak_gpu_device_GiB"] - 1 for m in FINISHED]
     assert min(errors) < -0.3 and all(abs(e) > TOLERANCE for e in errors)
     assert all(plan(m.shape, m.setup).fits for m in OUT_OF_MEMORY)
@@ -61,4 +62,4 @@ def test_expandable_segments_leave_more_room_and_alst_runs_with_them():
 
     default = plan(m.shape, replace(m.setup, expandable_segments=False))
     assert default.gpu_bytes > m.plan.gpu_bytes
-    assert long_context.alst_levers(memory.Setup()).expandable_segments
+    assert long_context.alst_levers(verdict.Setup()).expandable_segments

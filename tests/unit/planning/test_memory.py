@@ -3,6 +3,7 @@ the real modules' parameter counts and what autograd actually keeps. No weights,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import Adapter, resolve_model
-from finetune_kit.planning import memory
-from finetune_kit.planning.memory import GiB, Setup, activation_bytes, plan
+from finetune_kit.planning import model_states, verdict
+from finetune_kit.planning.activations import activation_bytes
+from finetune_kit.planning.verdict import GiB, Setup, plan
 
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}
@@ -27,7 +29,7 @@ def test_zero2_model_states_equal_deepspeed(arch, nodes, gpus_per_node, offload)
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     shape = resolve_model(arch)
-    ours = memory.deepspeed_model_states(shape.total_params(), shape.largest_layer_params(), stage=2,
+    ours = model_states.deepspeed_model_states(shape.total_params(), shape.largest_layer_params(), stage=2,
                                          gpus_per_node=gpus_per_node, nodes=nodes, offload_optimizer=offload)
     theirs = estimate_zero2_model_states_mem_needs(shape.total_params(), num_gpus_per_node=gpus_per_node,
                                                    num_nodes=nodes, cpu_offload=offload)
@@ -47,7 +49,7 @@ def test_zero3_model_states_equal_deepspeed(arch, nodes, gpus_per_node, offload_
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     shape = resolve_model(arch)
-    ours = memory.deepspeed_model_states(
+    ours = model_states.deepspeed_model_states(
         shape.total_params(), shape.largest_layer_params(), stage=3, gpus_per_node=gpus_per_node, nodes=nodes,
         offload_optimizer=offload_optimizer, offload_param=offload_param, zero_init=zero_init,
         additional_buffer_factor=buffer)
@@ -93,12 +95,12 @@ def test_model_resolves_from_hub_id_config_file_and_folder(tmp_path):
 # ---- the ZeRO paper (Rajbhandari et al. 2020), figure 1: 7.5 B parameters, 64 GPUs, K = 12 ----
 @pytest.mark.parametrize("stage,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_paper_example(stage, gb):
-    assert memory.zero_paper_model_states(7.5e9, stage, 64) / 1e9 == pytest.approx(gb, abs=0.05)
+    assert model_states.zero_paper_model_states(7.5e9, stage, 64) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
 def test_zero_paper_is_16_bytes_per_parameter_unsharded():
-    assert memory.zero_paper_model_states(1.0, 0, 1) == 16
-    assert all(memory.zero_paper_model_states(1.0, stage, 1) == 16 for stage in range(4))
+    assert model_states.zero_paper_model_states(1.0, 0, 1) == 16
+    assert all(model_states.zero_paper_model_states(1.0, stage, 1) == 16 for stage in range(4))
 
 
 # ---- QLoRA ----
@@ -113,7 +115,7 @@ def test_nf4_bytes_equal_bitsandbytes_quantisation():
         stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
         if double:
             stored += state.state2.absmax.numel() * state.state2.absmax.element_size()
-        assert stored / w.numel() == pytest.approx(memory.nf4_bytes_per_param(double), rel=1e-9)
+        assert stored / w.numel() == pytest.approx(model_states.nf4_bytes_per_param(double), rel=1e-9)
 
 
 def test_lora_parameter_count_equals_peft():
@@ -228,7 +230,7 @@ def test_checkpointing_gqa_and_vocab_reduce_activations():
     ckpt = activation_bytes(shape, 4, 2048, True)
     assert ckpt["kept"] * 10 < full["kept"]
     assert activation_bytes(shape, 4, 2048, False, kv_repeated=False)["kept"] < full["kept"]
-    llama2_vocab = memory.replace(shape, vocab_size=32000)
+    llama2_vocab = dataclasses.replace(shape, vocab_size=32000)
     assert activation_bytes(llama2_vocab, 4, 2048, True)["loss"] * 4 == pytest.approx(ckpt["loss"], rel=0.01)
     assert activation_bytes(shape, 4, 2048, True, num_labels=2)["loss"] == 12 * 2 * 4 * 2048
 
@@ -238,21 +240,21 @@ def test_full_8b_on_one_80gb_gpu_suggests_optimizer_offload():
     p = plan("llama3-8b", Setup(nodes=1, gpus_per_node=1, gpu_memory_GiB=80, micro_batch=4))
     assert p.fits is False
     assert "does not fit" in p.verdict() and "of 80" in p.verdict()
-    fix = memory.suggest("llama3-8b", p.setup)
+    fix = verdict.suggest("llama3-8b", p.setup)
     assert fix.setup.offload_optimizer and not fix.setup.offload_param and fix.setup.gpus == 1
     assert "offload_optimizer" in str(fix) and fix.plan.fits
 
 
 def test_suggestion_prefers_cheap_changes():
     # 8B with offload on a 24 GB GPU: the chunked loss and a smaller micro-batch are enough; no parameter offload.
-    s = memory.setup_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+    s = verdict.setup_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
                                     gpus_per_node=1, gpu_memory_GiB=24, micro_batch=4)
-    fix = memory.suggest("llama3-8b", s)
+    fix = verdict.suggest("llama3-8b", s)
     assert fix.setup.micro_batch < 4 and not fix.setup.offload_param
     # ZeRO-2 13B on 8 x 40 GB: ZeRO-3 (cost 2) beats offloading the optimizer (cost 5).
     z2 = Setup(stage=2, gpus_per_node=8, gpu_memory_GiB=40, micro_batch=1)
     assert plan("llama2-13b", z2).fits is False
-    assert memory.suggest("llama2-13b", z2).setup.stage == 3
+    assert verdict.suggest("llama2-13b", z2).setup.stage == 3
 
 
 def test_host_memory_is_checked_when_given():
@@ -267,7 +269,7 @@ DS_ZERO3 = {"zero_optimization": {"stage": 3}}
 
 def test_check_fits_raises_with_numbers_and_fix():
     with pytest.raises(ConfigError) as err:
-        memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
+        verdict.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                          gradient_checkpointing=True, gpu_memory_GiB=80)
     text = str(err.value)
     assert "149.1 GiB per GPU of 80" in text and "69.1 GiB short" in text  # 16 B/param states, ZeRO-3
@@ -275,8 +277,8 @@ def test_check_fits_raises_with_numbers_and_fix():
 
 
 def test_check_fits_skip_logs_instead_of_raising(caplog):
-    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
-        p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
+    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.verdict"):
+        p = verdict.check_fits("llama3-8b", DS_ZERO3, world_size=1, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=True, gpu_memory_GiB=80, skip=True)
     assert p.fits is False and "does not fit" in caplog.text
 
@@ -284,8 +286,8 @@ def test_check_fits_skip_logs_instead_of_raising(caplog):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_check_fits_without_cuda_logs_and_passes(caplog, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.memory"):
-        p = memory.check_fits("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
+    with caplog.at_level(logging.INFO, logger="finetune_kit.planning.verdict"):
+        p = verdict.check_fits("llama3-8b", DS_ZERO3, world_size=2, micro_batch=4, seq_len=2048,
                              gradient_checkpointing=False)
     assert p.fits is None and p.setup.gpus == 2 and "not checked" in caplog.text
     record = p.to_dict()
@@ -294,11 +296,11 @@ def test_check_fits_without_cuda_logs_and_passes(caplog, monkeypatch):
 
 def test_check_fits_reads_the_zero2_trainer_and_qlora_cases():
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
-    p = memory.check_fits("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
+    p = verdict.check_fits("llama2-13b", ds, world_size=8, gpus_per_node=8, micro_batch=2, seq_len=4096,
                          gradient_checkpointing=True, gpu_memory_GiB=80,
                          flags={"micro_batch": "--per_device_train_batch_size"})
     assert p.setup.stage == 2 and p.setup.offload_optimizer
-    q = memory.check_fits("llama3.3-70b", {"zero_optimization": {"stage": 3}}, world_size=8, gpus_per_node=4,
+    q = verdict.check_fits("llama3.3-70b", {"zero_optimization": {"stage": 3}}, world_size=8, gpus_per_node=4,
                          micro_batch=1, seq_len=4096, gradient_checkpointing=True, adapter=Adapter(rank=16),
                          num_labels=3, gpu_memory_GiB=80)
     assert q.setup.nodes == 2 and q.fits
@@ -313,7 +315,7 @@ def test_zero_infinity_puts_the_offloaded_states_on_disk_and_pinned_buffers_in_h
     from tests.harness import REPO
 
     ds = json.loads((REPO / "recipes/llama3-8b-zero3/configs/zero3-nvme.json").read_text())
-    setup = memory.setup_from_deepspeed(ds, gpus_per_node=1, micro_batch=4, seq_len=2048)
+    setup = verdict.setup_from_deepspeed(ds, gpus_per_node=1, micro_batch=4, seq_len=2048)
     assert setup.nvme and setup.offload_optimizer and setup.offload_param
     p = plan("llama3-8b", setup)
     psi = p.total_params
@@ -335,14 +337,14 @@ def test_the_parameter_buffers_are_those_the_launched_json_sets():
 
     ds = json.loads((REPO / "recipes/llama3-8b-zero3/configs/zero3-nvme.json").read_text())
     ds["zero_optimization"]["offload_param"].update(buffer_count=3, buffer_size=1e6)
-    setup = memory.setup_from_deepspeed(ds, gpus_per_node=2, micro_batch=1, seq_len=512)
+    setup = verdict.setup_from_deepspeed(ds, gpus_per_node=2, micro_batch=1, seq_len=512)
     assert setup.param_buffers == (3, 1e6)
     assert plan("llama3-8b", setup).host_parts["parameter swap buffers (pinned)"] == 3 * 10**6 * 2 * 2
     for key in ("buffer_count", "buffer_size"):
         del ds["zero_optimization"]["offload_param"][key]
-    assert memory.setup_from_deepspeed(ds).param_buffers == (5, 1e8)
+    assert verdict.setup_from_deepspeed(ds).param_buffers == (5, 1e8)
     ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    assert memory.setup_from_deepspeed(ds).param_buffers is None
+    assert verdict.setup_from_deepspeed(ds).param_buffers is None
 
 
 @pytest.mark.parametrize("every", [2, 3, 32, 40])

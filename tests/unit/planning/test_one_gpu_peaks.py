@@ -13,8 +13,8 @@ import pytest
 
 from finetune_kit.launch.cuda_allocator import EXPANDABLE
 from finetune_kit.metering.run_record import RunRecord
-from finetune_kit.planning import memory
-from finetune_kit.planning.memory import GiB, check_fits
+from finetune_kit.planning import activations, model_states, verdict
+from finetune_kit.planning.verdict import GiB, check_fits
 from finetune_tools.gpu_check.synthetic import check_shape
 from tests.harness import REPO
 
@@ -23,7 +23,7 @@ RECORDS = sorted((REPO / "results/runs/mfu/records").glob("*/*.json"))
 ZERO3 = json.loads((REPO / "recipes/llama3-8b-zero3/configs/zero3.json").read_text())
 
 
-def replay(record: RunRecord) -> memory.Plan:
+def replay(record: RunRecord) -> verdict.Plan:
     """The planner's prediction for what ``record`` ran, from the record alone."""
     t = record.training
     assert record.model.architecture == "llama3-8b (truncated to 8 layers)" and t.offload == "none"
@@ -41,7 +41,7 @@ def replay(record: RunRecord) -> memory.Plan:
 ROWS = [(f"{p.parent.name}/{p.stem}", RunRecord.read(p)) for p in RECORDS]
 
 
-def error(plan: memory.Plan, record: RunRecord) -> float:
+def error(plan: verdict.Plan, record: RunRecord) -> float:
     return plan.gpu_bytes / GiB / record.measured.peak_gpu_reserved_GiB - 1
 
 
@@ -74,7 +74,7 @@ def test_the_zero3_tensors_are_torchs_allocated_peak(name, record):
     """The tensors alone, apart from the allocator and the CUDA context: within 6% of torch's allocated peak (the
     Liger-Kernel rows hold 1.3-2.7 GiB less than the chunked loss the planner counts, not being told the kernel)."""
     p = replay(record)
-    tensors = sum(v for k, v in p.gpu_parts.items() if not k.startswith(memory.OVERHEAD_PART)) / GiB
+    tensors = sum(v for k, v in p.gpu_parts.items() if not k.startswith(verdict.OVERHEAD_PART)) / GiB
     assert tensors == pytest.approx(record.measured.peak_gpu_allocated_GiB, rel=0.06), name
 
 
@@ -85,7 +85,7 @@ def test_the_checkpointed_runs_peak_in_the_optimizer_step():
     assert {r.training.micro_batch_size for r in flat} == {2, 4}
     assert len({round(r.measured.peak_gpu_allocated_GiB, 2) for r in flat}) == 1
     shape = check_shape("llama3-8b", 8)
-    states = memory.zero3_model_states(shape, gpus=1)
+    states = model_states.zero3_model_states(shape, gpus=1)
     step = (states["states"] + states["step"]) / GiB
     assert step == pytest.approx(flat[0].measured.peak_gpu_allocated_GiB, rel=0.005)
     baseline = next(replay(r) for r in flat if r.training.micro_batch_size == 2)
@@ -99,12 +99,13 @@ def previous_formula(record: RunRecord) -> float:
     p = replay(record)
     t = record.training
     shape = check_shape("llama3-8b", record.model.layers)
-    act = memory.activation_bytes(shape, t.micro_batch_size, t.seq_len, t.gradient_checkpointing, kv_repeated=False,
-                                  loss_chunks=t.loss_chunks, recompute_every=t.recompute_every)
+    act = activations.activation_bytes(shape, t.micro_batch_size, t.seq_len, t.gradient_checkpointing,
+                                       kv_repeated=False, loss_chunks=t.loss_chunks,
+                                       recompute_every=t.recompute_every)
     if t.engine == "fsdp2":
-        states = sum(gpu for _, gpu in memory.fsdp2_model_states(shape, gpus=1).values())
+        states = sum(gpu for _, gpu in model_states.fsdp2_model_states(shape, gpus=1).values())
     else:
-        states = memory.deepspeed_model_states(shape.total_params(), shape.largest_layer_params(), stage=3)[1]
+        states = model_states.deepspeed_model_states(shape.total_params(), shape.largest_layer_params(), stage=3)[1]
     assert p.setup.gpus == 1
     tensors = states + act["kept"] + max(act["loss"], act["recompute"])
     return (tensors * (1 + 0.10)) / GiB + 2.0
@@ -134,8 +135,8 @@ def test_negative_control_the_step_on_top_of_the_backward_misses_by_more_than_th
         if r.training.engine != "deepspeed" or not step:
             continue
         shape = check_shape("llama3-8b", r.model.layers)
-        tensors = sum(v for k, v in p.gpu_parts.items() if not k.startswith(("optimizer step", memory.OVERHEAD_PART)))
-        both = tensors + memory.zero3_model_states(shape, gpus=1)["step"]
-        errors[n] = (both * (1 + memory.ZERO3_FRAGMENTATION) / GiB + memory.CUDA_CONTEXT_GIB) \
+        tensors = sum(v for k, v in p.gpu_parts.items() if not k.startswith(("optimizer step", verdict.OVERHEAD_PART)))
+        both = tensors + model_states.zero3_model_states(shape, gpus=1)["step"]
+        errors[n] = (both * (1 + verdict.ZERO3_FRAGMENTATION) / GiB + verdict.CUDA_CONTEXT_GIB) \
             / r.measured.peak_gpu_reserved_GiB - 1
     assert len(errors) >= 3 and all(e > TOLERANCE for e in errors.values()), errors

@@ -72,15 +72,15 @@ def real_8b_config(tmp_path):
 
 
 def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
-    from finetune_kit.planning import memory
-    from finetune_kit.training import checkpoints
+    from finetune_kit.planning import verdict
+    from finetune_kit.training.checkpointing import checkpoints
     from tests.harness import load_script
 
     recipe = REPO / "recipes/llama3-8b-zero3"
     monkeypatch.chdir(recipe)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(memory, "local_gpu_memory_GiB", lambda: 80.0)  # as on one 80 GB GPU
+    monkeypatch.setattr(verdict, "local_gpu_memory_GiB", lambda: 80.0)  # as on one 80 GB GPU
     # a 90 GiB checkpoint fits
     monkeypatch.setattr(checkpoints, "free_space_problem", lambda output, needed, layout=None: None)
     train = load_script(recipe / "train.py")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetune_kit.metering.run_record import SCHEMA, RunRecord
-from finetune_kit.planning.memory import CUDA_CONTEXT_GIB
+from finetune_kit.planning.verdict import CUDA_CONTEXT_GIB
 from tests.harness import REPO
 
 # the spread of NVML-used minus torch-reserved across those runs is 0.4 GiB; half a GiB either way

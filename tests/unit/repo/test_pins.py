@@ -70,7 +70,7 @@ def test_a_version_spelled_in_the_noxfile_must_be_the_pin(copy):
 
 
 def test_the_gpu_images_alone_lock_the_cuda_only_pins_at_the_version_the_loss_was_written_against():
-    from finetune_kit.models.chunked_loss import LIGER_TESTED
+    from finetune_kit.losses import LIGER_TESTED
 
     gpu, cpu = (pins.read_lock(REPO / lock) for lock in pins.LOCKS)
     cuda = pins.read_pins(REPO / pins.CUDA_PINS)

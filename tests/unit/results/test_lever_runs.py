@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from finetune_kit.metering.run_record import RunRecord
-from finetune_kit.planning.memory import plan
+from finetune_kit.planning.verdict import plan
 from finetune_tools.results import calibration, lever_runs
 from tests.harness import REPO
 

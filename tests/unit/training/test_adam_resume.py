@@ -1,11 +1,12 @@
-"""A resumed DeepSpeed CPU Adam takes the same steps as one that was never stopped (training/adam_resume.py)."""
+"""A resumed DeepSpeed CPU Adam takes the same steps as one that was never stopped
+(training/checkpointing/adam_resume.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from finetune_kit.training.adam_resume import replay_bias_correction
+from finetune_kit.training.checkpointing.adam_resume import replay_bias_correction
 
 STEPS, RESUME_AT = 60, 10  # early: beta2**t is still far from 0, so its last bit reaches the update
 BETAS = (0.9, 0.95)

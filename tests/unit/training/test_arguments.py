@@ -20,20 +20,20 @@ def test_each_recipe_says_a_bad_value_in_one_line(recipe, capsys):
 
 
 def entry_points():
-    from finetune_kit import check, merge
-    from finetune_kit.harness import __main__ as harness
+    from finetune_kit import check
     from finetune_kit.launch import multinode
-    from finetune_kit.training import resharding
-    from finetune_tools import tiny_models
+    from finetune_kit.training.checkpointing import resharding
+    from finetune_tools import merge, tiny_models
     from finetune_tools.gpu_check import bundle, runner, smoke
+    from finetune_tools.harness import __main__ as harness
     from finetune_tools.planning import cli
     from finetune_tools.repo import __main__ as repo
     from finetune_tools.results import report
 
-    return {"python -m finetune_kit.check": check.main, "python -m finetune_kit.merge": merge.main,
-            "python -m finetune_kit.harness": lambda argv: harness.parser().parse_args(argv),
+    return {"python -m finetune_kit.check": check.main, "python -m finetune_tools.merge": merge.main,
+            "python -m finetune_tools.harness": lambda argv: harness.parser().parse_args(argv),
             "python -m finetune_kit.launch.multinode": multinode.main,
-            "python -m finetune_kit.training.resharding": resharding.main,
+            "python -m finetune_kit.training.checkpointing.resharding": resharding.main,
             "python -m finetune_tools.tiny_models": tiny_models.main, "python -m finetune_tools.gpu_check.bundle":
             bundle.main, "python -m finetune_tools.gpu_check": runner.parse_args,
             "python -m finetune_tools.gpu_check --smoke": smoke.parse_args,

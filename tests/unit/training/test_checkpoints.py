@@ -4,7 +4,7 @@ import pytest
 
 from finetune_kit import outputs
 from finetune_kit.errors import ConfigError
-from finetune_kit.training import checkpoints, resharding
+from finetune_kit.training.checkpointing import checkpoints, resharding
 
 
 def make_ckpt(output, step, complete=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune_kit.training.loop import labelled_items, labelled_on_all_ranks
+from finetune_kit.losses import labelled_items, labelled_on_all_ranks
 
 
 def lm(path):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune_kit.data import PackedCollator, PadCollator
+from finetune_kit.data.batching import PackedCollator, PadCollator
 from finetune_kit.errors import ConfigError
 from finetune_kit.training.sequence_parallel import Groups, SequenceShard, across_nodes, check
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.training.checkpointing.partitions import parameter_partition, rank_report
 from finetune_kit.training.loop import Position, Schedule
-from finetune_kit.training.partitions import parameter_partition, rank_report
 from finetune_kit.training.records import DataSplit, describe_eval, example_ids, trainable_parameters
 
 

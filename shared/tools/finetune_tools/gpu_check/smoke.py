@@ -39,6 +39,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -168,15 +169,20 @@ class PeakGPU:
 
 def run_command(row: Row, source: Path, out: Path, *, gpu: bool, timeout: float) -> dict:
     """``make eval`` or ``make merge`` (their modules, as the Makefile runs them) on ``source``."""
-    module = {"eval": "finetune_kit.harness", "merge": "finetune_kit.merge"}[row.command]
+    module = {"eval": "finetune_tools.harness", "merge": "finetune_tools.merge"}[row.command]
     cmd = [sys.executable, "-m", module, str(source)]
+    # The folder holding finetune_tools (shared/tools in a checkout or an image) first on PYTHONPATH, as the
+    # Makefile's PYTHONPATH=$(TOOLS); nothing added where the tools are installed in site-packages.
+    env, tools = dict(os.environ), Path(__file__).resolve().parents[2]
+    if tools != Path(sysconfig.get_paths()["purelib"]).resolve():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tools), env.get("PYTHONPATH")]))
     if row.command == "eval":
         cmd += ["--device", "cuda" if gpu else "cpu"]
     log_path = out / f"{row.name}.log"
     print(f"== {row.name}: {' '.join(cmd)}", flush=True)
     start = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

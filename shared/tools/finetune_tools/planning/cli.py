@@ -12,7 +12,8 @@
         --gpus-per-node 8 --sequence-parallel 8 --seq-len max   # the longest context, ALST's levers on
 
 ``--model`` takes a config.json, a model folder, or a known architecture: see
-``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning.memory``.
+``finetune_kit.models.shapes.KNOWN_MODELS``. The formulas are in ``finetune_kit.planning``: ``.model_states``,
+``.activations`` and the plan's ``.verdict``.
 
 A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
-from finetune_kit.planning.memory import (
+from finetune_kit.planning.verdict import (
     Plan,
     Setup,
     plan,

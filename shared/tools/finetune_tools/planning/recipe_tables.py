@@ -7,7 +7,7 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
-from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.planning.verdict import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
 from finetune_tools.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
@@ -79,7 +79,8 @@ def recipe_table(recipe_dir: Path) -> str:
             f"({shape.name}, {plans[0][1].total_params / 1e9:.2f} B parameters). GiB per GPU: {states}, "
             f"activations with the loss's logits{logits_note(plans[0][1].setup)}, and CUDA context + allocator "
             "overhead; host RAM per node "
-            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/memory.py`.")
+            "includes DeepSpeed's 1.5x margin. Formulas and assumptions: `shared/finetune_kit/planning/` "
+            "(`model_states.py`, `activations.py`, `verdict.py`).")
     header = ["setup", "config", "micro-batch x tokens", "checkpointing", "model states",
               "activations", "overhead", "total / GPU", "host RAM / node", "verdict"]
     return note + "\n\n" + markdown_table(header, rows)

@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from finetune_kit.planning.memory import GiB, Setup, plan
+from finetune_kit.planning.verdict import GiB, Setup, plan
 from finetune_tools.paths import find_root
 from finetune_tools.results.long_context_runs import measured_setup, recipes_root
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune_kit.launch.cuda_allocator import EXPANDABLE
-from finetune_kit.planning.memory import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed
+from finetune_kit.planning.verdict import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed
 from finetune_tools.gpu_check.cases import EVERY_CASE
 from finetune_tools.gpu_check.synthetic import check_shape
 from finetune_tools.planning import long_context
@@ -126,9 +126,9 @@ def render(results: Path) -> list[str]:
         "At 512K the recomputing backward's tiled MLP asked for more than the device's 79.2 GiB with either "
         "allocator; 256K fits. Expandable segments took 10.5 GiB off the device peak at 256K at the same speed "
         "(one step each). At 128K the tiled MLP cost 14% of the tokens/s and saved 13.1 GiB of allocated memory. "
-        "The planner's terms behind its column (`shared/finetune_kit/planning/memory.py`): the gradients "
-        "in flight in the recomputed layer's backward (`BACKWARD_BYTES_PER_H`) and the caching allocator's share at "
-        "long context (`LONG_CONTEXT_FRAGMENTATION`), both fitted on these rows; "
+        "The planner's terms behind its column (`shared/finetune_kit/planning/activations.py`, `verdict.py`): "
+        "the gradients in flight in the recomputed layer's backward (`BACKWARD_BYTES_PER_H`) and the caching "
+        "allocator's share at long context (`LONG_CONTEXT_FRAGMENTATION`), both fitted on these rows; "
         "tests/unit/planning/test_long_context_memory.py holds every row within 10%. For the measured setup "
         f"(2 layers, both levers) the planner's longest sequence is {longest[False]:,} tokens with the default "
         f"allocator and {longest[True]:,} with expandable segments; the full depth's 32 layers add each layer's bf16 "

@@ -3,6 +3,9 @@
     python -m finetune_tools.results              # (make results) rewrite both files
     python -m finetune_tools.results --check      # exit 1 if the committed files are stale
 
+In a checkout (``results/`` beside ``shared/``) it also writes the measured fp8 speed-ups that a ``--fp8`` launch
+prints into the runtime package (:data:`finetune_tools.results.fp8_pairs.PACKAGED`), and ``--check`` compares it.
+
 From any folder inside the repository: without ``--results`` it finds the repository's ``results/``.
 
 Inputs: ``results/published.csv`` (figures as their sources state them; derived numbers are
@@ -412,15 +415,22 @@ def main(argv=None) -> int:
         except UserInputError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+    packaged = args.results.parent / fp8_pairs.PACKAGED  # the runtime's copy of the fp8 figures, in a checkout
+    packaged = packaged if packaged.parent.is_dir() and args.out is None else None
     if not args.check:
         for path in generate(args.results, args.out or args.results):
             print(f"wrote {path}")
+        if packaged:
+            packaged.write_text(fp8_pairs.speedup_json(args.results))
+            print(f"wrote {packaged}")
         return 0
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         stale = [p.name for p in generate(args.results, Path(tmp))
                  if p.read_bytes() != (args.results / p.name).read_bytes()]
+    if packaged and (not packaged.is_file() or packaged.read_text() != fp8_pairs.speedup_json(args.results)):
+        stale.append(f"../{fp8_pairs.PACKAGED}")
     if stale:
         print(f"stale: {', '.join(stale)} in {args.results}; run 'make results' and commit", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The merged export of a QLoRA run: ``python -m finetune_kit.merge RUN`` (``make merge RUN=...``).
+"""The merged export of a QLoRA run: ``python -m finetune_tools.merge RUN`` (``make merge RUN=...``).
 
 The adapter of ``RUN/adapter`` trained against a 4-bit base; merging it into the 4-bit weights would round the
 update away, so the base is loaded in 16-bit (``--dtype``; 70B in bf16: about 140 GB of host RAM, no GPU) and
@@ -18,7 +18,7 @@ from finetune_kit.errors import UserInputError
 
 
 def main(argv=None) -> int:
-    parser = command_line.ArgumentParser(prog="python -m finetune_kit.merge", description=__doc__.splitlines()[0])
+    parser = command_line.ArgumentParser(prog="python -m finetune_tools.merge", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="the run folder (--output of the training run)")
     parser.add_argument("--base", default=None, help="the base model (default: the run's, from run_info.json)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

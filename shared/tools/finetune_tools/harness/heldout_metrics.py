@@ -3,7 +3,7 @@
 lm-eval's own ``perplexity`` metric is per document (``exp`` of minus the mean of each document's
 log-likelihood), so a long answer weighs as much as a short one. Here each document carries the number of
 tokens its answer has (``answer_tokens``, counted when the task was written, by the same tokenisation the
-model scores: :mod:`finetune_kit.harness.causal`), and the aggregates are per token:
+model scores: :mod:`finetune_tools.harness.causal`), and the aggregates are per token:
 
     loss       = -sum(log-likelihood of each answer) / sum(answer tokens)   (nats/token)
     perplexity = exp(loss)

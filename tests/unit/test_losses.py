@@ -4,7 +4,7 @@ token count; and the planner counts one chunk's logits."""
 import pytest
 import torch
 
-from finetune_kit.models.chunked_loss import chunked_cross_entropy, use_chunked_loss
+from finetune_kit.losses import chunked_cross_entropy, use_chunked_loss
 
 # fp32: the chunked and the plain loss add the same per-token values in another order. Measured on
 # this tiny model (1, 3, 4 and 8 chunks x 3 batches, AMD EPYC): loss 7.6e-8 apart (relative); no
@@ -107,7 +107,7 @@ def test_a_model_without_an_lm_head_is_refused():
 
 def test_the_planner_counts_one_chunks_logits():
     from finetune_kit.models.shapes import resolve_model
-    from finetune_kit.planning.memory import activation_bytes
+    from finetune_kit.planning.activations import activation_bytes
 
     shape = resolve_model("llama3-8b")
     whole = activation_bytes(shape, 4, 2048, True)
@@ -118,14 +118,14 @@ def test_the_planner_counts_one_chunks_logits():
 
 
 def test_auto_picks_liger_only_with_cuda_and_the_package(monkeypatch):
-    from finetune_kit.models import chunked_loss
+    from finetune_kit import losses
 
-    assert chunked_loss.loss_kernel("chunked") == "chunked"
-    monkeypatch.setattr(chunked_loss, "liger_available", lambda: False)
-    assert chunked_loss.loss_kernel("auto") == "chunked"
-    assert chunked_loss.loss_kernel("liger") == "liger"  # asked for: the input checks refuse it where it cannot run
-    monkeypatch.setattr(chunked_loss, "liger_available", lambda: True)
-    assert chunked_loss.loss_kernel("auto") == "liger"
+    assert losses.loss_kernel("chunked") == "chunked"
+    monkeypatch.setattr(losses, "liger_available", lambda: False)
+    assert losses.loss_kernel("auto") == "chunked"
+    assert losses.loss_kernel("liger") == "liger"  # asked for: the input checks refuse it where it cannot run
+    monkeypatch.setattr(losses, "liger_available", lambda: True)
+    assert losses.loss_kernel("auto") == "liger"
 
 
 def test_the_liger_path_hands_the_kernel_the_heads_weight_and_flat_shifted_labels(tiny_llama3, monkeypatch):

@@ -11,30 +11,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune_kit import output_lock
 from finetune_kit.launch import nvme
-from finetune_kit.training import adam_resume, resharding
 from finetune_kit.training.arguments import global_batch
-from finetune_kit.training.checkpoints import load_checkpoint, read_state, save_checkpoint
+from finetune_kit.training.checkpointing import adam_resume, resharding
+from finetune_kit.training.checkpointing.checkpoints import load_checkpoint, read_state, save_checkpoint
 from finetune_kit.training.loop import Position
 
 
 class Checkpointer:
     """A run's checkpoints: it resumes the one the launch's checks chose, and saves ``step_N`` when it is due.
 
-    It holds the output folder for this run from its construction to the run's end
-    (:mod:`finetune_kit.output_lock`: a second launch into the folder stops). Every rank makes one and
-    calls its methods (a save is collective)."""
+    Every rank makes one and calls its methods (a save is collective)."""
 
     def __init__(self, accelerator, checked, args):
         self.accelerator, self.checked = accelerator, checked
         self.every, self.keep = args.save_every, args.keep_checkpoints
-        self.global_batch = global_batch(args, accelerator.num_processes)
+        self.global_batch = global_batch(args, checked.data_ranks)
         # what the data position counts in: micro-batches of this size per rank reading its own rows
-        self.data_ranks = accelerator.num_processes // getattr(args, "sequence_parallel", 1)
-        self.micro_batch = args.micro_batch_size
-        if accelerator.is_main_process:
-            output_lock.acquire(checked.output)
+        self.data_ranks, self.micro_batch = checked.data_ranks, args.micro_batch_size
 
     def resume(self, **load_kwargs):
         """Restore model, optimizer, schedule, RNG and data position from the checkpoint the checks chose
@@ -57,7 +51,7 @@ class Checkpointer:
         else:
             state = load_checkpoint(acc, c.resume_from, **load_kwargs)
             if "offload_optimizer" in nvme.nvme_paths(c.ds_config):  # what DeepSpeed's NVMe load leaves out
-                from finetune_kit.training.nvme_resume import restore_nvme_optimizer
+                from finetune_kit.training.checkpointing.nvme_resume import restore_nvme_optimizer
 
                 restore_nvme_optimizer(acc.deepspeed_engine_wrapped.engine, c.resume_from)
         if c.fsdp is None:  # DeepSpeed's native CPU Adam: its beta**t as the uninterrupted run has it

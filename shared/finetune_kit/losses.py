@@ -1,10 +1,26 @@
-"""The causal-LM loss without the full logits: the head and the cross-entropy, chunk by chunk.
+"""The loss, in one place: the labels that take none (:data:`IGNORE_INDEX`), what a step's loss averages
+over (:func:`labelled_items`, :func:`labelled_on_all_ranks`), the scale that undoes the engines' means
+(:func:`backward_scale`), and the two losses the recipes train on: the causal LM's (:func:`causal_lm_loss`,
+computed without the full logits by :func:`use_chunked_loss`) and the classifier's (:func:`classifier_loss`).
 
-transformers' ``LlamaForCausalLM`` computes the head's logits for every token of the micro-batch,
-copies them to fp32 for the loss, and keeps the fp32 log-softmax for the backward pass, whose peak
-adds two fp32 gradients of the same size: about 12 bytes x vocabulary per token. For Llama 3
-(128,256 entries) at 4 x 2,048 tokens the loss step added 11.75 GiB (measured on CPU,
-``benchmarks/loss_memory.py``), more than the 8B's decoder activations with checkpointing.
+One mean per step, however it is split. A micro-batch's mean loss (``model(**batch).loss``) weighs each of its
+labelled tokens by one over that micro-batch's count; accumulation and the data-parallel average then weigh every
+micro-batch the same. With the loss on assistant turns only, labelled tokens per micro-batch vary several-fold,
+so the objective changed with the split of the global batch: 1 rank x micro-batch 8 and 1 rank x 2 x
+accumulation 4 logged losses 8.6e-3 apart at the first step (same weights, same tokens). The fix, as
+torchtune and torchtitan do it and as the HF Trainer does since transformers 4.46 (``num_items_in_batch``):
+count the labelled tokens of the whole step on every rank before its first backward (one all-reduce), and give
+each micro-batch the loss ``sum of its token losses / that count``. The micro-batch losses of a step, summed over
+micro-batches and ranks, are then the step's token mean, whatever the split. DeepSpeed (``engine.backward``
+divides by the accumulation steps; its gradient reduction averages over the data-parallel ranks) and accelerate
+under FSDP2 (``Accelerator.backward`` divides by the accumulation steps; ``fully_shard``'s reduce-scatter
+averages) both take a mean where a sum is now wanted: :func:`backward_scale` undoes it.
+
+The causal-LM loss without the full logits: the head and the cross-entropy, chunk by chunk. transformers'
+``LlamaForCausalLM`` computes the head's logits for every token of the micro-batch, copies them to fp32 for the
+loss, and keeps the fp32 log-softmax for the backward pass, whose peak adds two fp32 gradients of the same size:
+about 12 bytes x vocabulary per token. For Llama 3 (128,256 entries) at 4 x 2,048 tokens the loss step added 11.75
+GiB (measured on CPU, ``benchmarks/loss_memory.py``), more than the 8B's decoder activations with checkpointing.
 
 :func:`use_chunked_loss` makes the model's forward compute the same loss in ``chunks`` pieces
 of the tokens: each piece runs the head and the fp32 cross-entropy inside an activation
@@ -36,10 +52,47 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100  # labels that take no loss (prompt tokens, padding), as transformers counts them
+IGNORE_INDEX = -100  # labels that take no loss (prompt tokens, padding), as transformers counts them
 CHUNKS = 8  # pieces of the micro-batch's tokens; a constant count keeps ZeRO-3's prefetch trace stable
 KERNELS = ("auto", "chunked", "liger")
 LIGER_TESTED = "0.8.5"  # the liger-kernel release this was written against (CUDA only: the GPU images pin it)
+
+
+def labelled_items(batch: dict) -> torch.Tensor:
+    """What the loss of ``batch`` averages over: the labelled next-token targets of a causal LM
+    (``labels`` of shape (batch, seq), shifted by one as transformers' loss shifts them), or the
+    labelled rows of a classifier (``labels`` of shape (batch,)); a sequence-parallel slice's
+    ``shift_labels`` are shifted already."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
+    labels = batch["labels"]
+    targets = labels if labels.dim() == 1 else labels[..., 1:]
+    return (targets != IGNORE_INDEX).sum()
+
+
+def labelled_on_all_ranks(micro_batches: list[dict], accelerator) -> torch.Tensor:
+    """The labelled items of ``micro_batches`` summed over every rank (every rank calls it: one all-reduce)."""
+    local = sum(labelled_items(b) for b in micro_batches).to(accelerator.device, torch.int64)
+    return accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+
+
+def backward_scale(accelerator) -> int:
+    """Accumulation steps x data-parallel ranks: the mean DeepSpeed or accelerate take over a step's micro-batch
+    losses, which :func:`causal_lm_loss` and :func:`classifier_loss` have divided by the whole step's count."""
+    return accelerator.gradient_accumulation_steps * accelerator.num_processes
+
+
+def causal_lm_loss(model, inputs: dict, labelled: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of the step's mean token loss: the sum of its token losses over ``labelled``, the
+    labelled tokens of the whole step on all ranks. The model's forward computes it (transformers' loss, or
+    :func:`use_chunked_loss`'s without the full logits)."""
+    return model(**inputs, num_items_in_batch=labelled).loss
+
+
+def classifier_loss(logits: torch.Tensor, labels: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of the step's mean loss over labelled rows: the sum of its rows' cross-entropy (in
+    fp32) over ``labelled``, the labelled rows of the whole step on all ranks (short batches weigh what they hold)."""
+    return F.cross_entropy(logits.float(), labels, reduction="sum") / labelled
 
 
 def liger_available() -> bool:
@@ -59,7 +112,7 @@ def chunked_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.T
     ``shifted``: a sequence-parallel slice's ``shift_labels``, shifted before slicing), computed ``chunks``
     pieces at a time. ``hidden``: (batch, seq, h); ``labels``: (batch, seq)."""
     if not shifted:
-        labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+        labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     shifted = labels.reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if getattr(head, "computes_loss", False):  # use_chunked_loss gave a plain Linear head the loss
@@ -69,18 +122,18 @@ def chunked_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.T
         for h, y in zip(flat.chunk(chunks), shifted.chunk(chunks), strict=True):
             total = total + checkpoint(_piece, head, h, y, use_reentrant=False)
     if num_items_in_batch is None:
-        return total / (shifted != IGNORE).sum()
+        return total / (shifted != IGNORE_INDEX).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
 
 
 def _piece(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _linear_piece(hidden, weight, bias, labels) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +144,8 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
     if self.loss_kernel == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(hidden, self.weight, labels, bias=self.bias, ignore_index=IGNORE,
-                                                reduction="sum").float()
+        return liger_fused_linear_cross_entropy(hidden, self.weight, labels, bias=self.bias,
+                                                ignore_index=IGNORE_INDEX, reduction="sum").float()
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.chunk(self.loss_chunks), labels.chunk(self.loss_chunks), strict=True):
         total = total + checkpoint(_linear_piece, h, self.weight, self.bias, y, use_reentrant=False)

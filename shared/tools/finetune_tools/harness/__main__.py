@@ -1,13 +1,13 @@
-"""``python -m finetune_kit.harness RUN``: evaluate a training run's model with lm-evaluation-harness, offline.
+"""``python -m finetune_tools.harness RUN``: evaluate a training run's model with lm-evaluation-harness, offline.
 
-    python -m finetune_kit.harness out/llama3-8b-zero3                         # the run's held-out rows
-    python -m finetune_kit.harness out/llama3-8b-zero3 --tasks heldout,arc_easy --limit 200
-    python -m finetune_kit.harness out/llama3-70b-qlora --base /models/Llama-3.3-70B-Instruct
-    python -m finetune_kit.harness out/my-run --tasks my_task --include-path my_tasks/ --device cpu
+    python -m finetune_tools.harness out/llama3-8b-zero3                         # the run's held-out rows
+    python -m finetune_tools.harness out/llama3-8b-zero3 --tasks heldout,arc_easy --limit 200
+    python -m finetune_tools.harness out/llama3-70b-qlora --base /models/Llama-3.3-70B-Instruct
+    python -m finetune_tools.harness out/my-run --tasks my_task --include-path my_tasks/ --device cpu
 
-Steps: (1) check every input (finetune_kit.harness.inputs): a bad one is one ``error:`` line, exit status 2,
+Steps: (1) check every input (finetune_tools.harness.inputs): a bad one is one ``error:`` line, exit status 2,
 before anything loads; (2) write the heldout task into ``<run>/eval/tasks/``; (3) load the model once; (4) run
-lm-eval (``simple_evaluate``); (5) write ``<run>/eval/`` (finetune_kit.harness.summary) and print the table.
+lm-eval (``simple_evaluate``); (5) write ``<run>/eval/`` (finetune_tools.harness.summary) and print the table.
 
 Nothing is downloaded: HF_HUB_OFFLINE and HF_DATASETS_OFFLINE are 1 unless exported otherwise
 (``HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0`` lets lm-eval fetch a task's dataset from the hub).
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
-from finetune_kit.harness import inputs
+from finetune_tools.harness import inputs
 
 OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # lm-eval bootstraps the standard error of f1 (and of perplexity-like aggregations it knows); its default of
@@ -41,7 +41,7 @@ def positive(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = command_line.ArgumentParser(prog="python -m finetune_kit.harness",
+    p = command_line.ArgumentParser(prog="python -m finetune_tools.harness",
                                     description="Evaluate a training run's saved model with lm-evaluation-harness, "
                                                 "offline (docs/evaluation.md).")
     p.add_argument("run", help="a training run's output folder (model/ or merged/ or adapter/, heldout.jsonl)")
@@ -69,12 +69,12 @@ def evaluate(evaluation: inputs.Evaluation) -> dict:
     """Steps 2-5 for a checked ``evaluation``; return the summary."""
     from lm_eval import simple_evaluate
 
-    from finetune_kit.harness import summary, tasks
+    from finetune_tools.harness import summary, tasks
 
     source, heldout = evaluation.model, inputs.HELDOUT in evaluation.tasks
     others = list(evaluation.other_tasks)
     if source.kind == inputs.CLASSIFIER:
-        from finetune_kit.harness.classifier import SequenceClassifierLM
+        from finetune_tools.harness.classifier import SequenceClassifierLM
 
         yaml = tasks.write_heldout(evaluation) if heldout else None
         print(f"loading {source.describe()} ({evaluation.device}, {evaluation.dtype})", flush=True)
@@ -84,7 +84,7 @@ def evaluate(evaluation: inputs.Evaluation) -> dict:
                                      batch_size=evaluation.batch_size, max_length=evaluation.max_length)
         calls = [("classifier", model, ([str(yaml)] if yaml else []) + others)]
     else:
-        from finetune_kit.harness import causal
+        from finetune_tools.harness import causal
 
         tokenizer = causal.load_tokenizer(source)
         yaml = tasks.write_heldout(evaluation, tokenizer) if heldout else None
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from finetune_kit.harness.summary import SUMMARY, into_run_record, table
+    from finetune_tools.harness.summary import SUMMARY, into_run_record, table
 
     limited = f", first {result['limit']} documents per task" if result["limit"] else ""
     print(f"\n{result['model']} ({result['device']}, {result['dtype']}{limited}):\n{table(result)}\n"

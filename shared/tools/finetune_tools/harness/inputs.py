@@ -70,7 +70,7 @@ class Evaluation:
 def check(run: str, *, model: str | None = None, base: str | None = None, tasks: str = HELDOUT,
           include_path: str | None = None, device: str | None = None, dtype: str | None = None,
           batch_size: int | None = None, limit: int | None = None, apply_chat_template: bool = False) -> Evaluation:
-    """Every input of ``python -m finetune_kit.harness`` (its flags, same names), checked in the order a user
+    """Every input of ``python -m finetune_tools.harness`` (its flags, same names), checked in the order a user
     fixes them; UserInputError at the first that cannot work."""
     _harness_installed()
     folder = Path(run).expanduser()

@@ -15,9 +15,9 @@ from pathlib import Path
 from finetune_kit import command_line
 from finetune_kit.errors import ConfigError
 from finetune_kit.launch import env, nvme
-from finetune_kit.training import checkpoints
 from finetune_kit.training.arguments import global_batch
-from finetune_kit.training.checkpoints import DS_TAG, PARTIAL, read_state
+from finetune_kit.training.checkpointing import checkpoints
+from finetune_kit.training.checkpointing.checkpoints import DS_TAG, PARTIAL, read_state
 
 UNIVERSAL = "universal"  # DeepSpeed's universal checkpoint of a checkpoint, for another number of ranks
 
@@ -46,7 +46,7 @@ def to_universal(path: Path, workers: int = 4) -> Path:
 
     A resume on another number of ranks calls it on rank 0 while the others wait, which must fit in
     the collective timeout; for a large model, convert first (``workers`` processes):
-    ``python -m finetune_kit.training.resharding to-universal <checkpoint>``."""
+    ``python -m finetune_kit.training.checkpointing.resharding to-universal <checkpoint>``."""
     import argparse
 
     from deepspeed.checkpoint import ds_to_universal
@@ -73,9 +73,11 @@ def reshaped_position(state: dict, *, data_ranks: int, micro_batch: int) -> dict
     return {**state, "batch_in_epoch": consumed // (data_ranks * micro_batch)}
 
 
-def check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | None = None) -> None:
+def check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | None = None,
+                  data_ranks: int | None = None) -> None:
     """A checkpoint of another number of ranks resumes exactly only with the same global batch, and
-    not at all when it offloads to NVMe (its swap files are per rank)."""
+    not at all when it offloads to NVMe (its swap files are per rank). ``data_ranks``: the launch's
+    (:attr:`~finetune_kit.training.input_checks.CheckedLaunch.data_ranks`); None: every rank reads its own."""
     state = read_state(checkpoint)
     saved, world = state.get("world_size"), env.world_size()
     if not saved or saved == world:
@@ -87,7 +89,7 @@ def check_reshape(checkpoint: Path, args, zero_stage: int, ds_config: dict | Non
     if zero_stage != 3:
         raise ConfigError(f"checkpoint '{checkpoint}' was saved by {ranks(saved)}, this launch has {world}: "
                           f"resuming on another number of ranks is supported under ZeRO-3. Launch {ranks(saved)}.")
-    given = global_batch(args, world)
+    given = global_batch(args, world if data_ranks is None else data_ranks)
     if given != state["global_batch"]:
         accum = state["global_batch"] / (args.micro_batch_size * world)
         fix = (f"pass --grad-accum {accum:g}" if accum.is_integer() else
@@ -103,7 +105,7 @@ def ranks(n: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = command_line.ArgumentParser(prog="python -m finetune_kit.training.resharding")
+    parser = command_line.ArgumentParser(prog="python -m finetune_kit.training.checkpointing.resharding")
     parser.add_argument("command", choices=["to-universal"])
     parser.add_argument("checkpoint", type=Path, help="a complete checkpoint folder (checkpoints/step_N)")
     parser.add_argument("--workers", type=int, default=4, help="processes reading and merging the shards")

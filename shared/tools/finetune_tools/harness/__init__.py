@@ -1,4 +1,4 @@
-"""Evaluation of a finished run's model with EleutherAI's lm-evaluation-harness: ``python -m finetune_kit.harness``.
+"""Evaluation of a finished run's model with EleutherAI's lm-evaluation-harness: ``python -m finetune_tools.harness``.
 
     inputs.py           every input checked before anything loads (run folder, model, heldout.jsonl, tasks, device)
     tasks.py            the run's held-out rows as a local lm-eval task (<run>/eval/tasks/heldout.yaml)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune_kit.training.checkpoints import DS_TAG
+from finetune_kit.training.checkpointing.checkpoints import DS_TAG
 
 
 def restore_nvme_optimizer(engine, path: Path) -> None:

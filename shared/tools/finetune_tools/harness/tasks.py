@@ -2,7 +2,7 @@
 
 Next to the YAML: ``heldout.jsonl``, the documents (read through ``dataset_path: json`` and ``data_files``, so no
 hub access), and for instruction runs ``utils.py``, the per-token metrics (a copy of
-:mod:`finetune_kit.harness.heldout_metrics`). The folder is rewritten on every evaluation and also runs with the
+:mod:`finetune_tools.harness.heldout_metrics`). The folder is rewritten on every evaluation and also runs with the
 plain command: ``lm_eval --include_path <run>/eval/tasks --tasks heldout ...``.
 
 Instruction runs (8B, 13B): ``output_type: loglikelihood``. A document's context is the conversation before its last
@@ -10,7 +10,7 @@ answer, rendered by the model folder's chat template with the generation prompt 
 ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``); its target is that answer as the template renders it
 (its end-of-turn token included: ``<|eot_id|>``) followed by the tokenizer's EOS, as training labelled it
 (finetune_kit.data.instructions). ``answer_tokens`` is the target's token count under the tokenisation the model
-scores (:func:`finetune_kit.harness.causal.encode_pair`).
+scores (:func:`finetune_tools.harness.causal.encode_pair`).
 
 Classifier runs (70B): ``output_type: multiple_choice`` over the label names (``negative``, ``positive``), metrics
 ``acc`` and ``f1`` (lm-eval's f1 aggregation: scikit-learn's binary F1 of the label at index 1, ``positive``).
@@ -25,15 +25,15 @@ from pathlib import Path
 from finetune_kit.data import templates
 from finetune_kit.data.reviews import LABELS
 from finetune_kit.errors import ConfigError, DataError
-from finetune_kit.harness import heldout_metrics
-from finetune_kit.harness.inputs import CLASSIFIER, HELDOUT, Evaluation
+from finetune_tools.harness import heldout_metrics
+from finetune_tools.harness.inputs import CLASSIFIER, HELDOUT, Evaluation
 
 TASK_FOLDER = "tasks"  # under <run>/eval
 LABEL_NAMES = [LABELS[i] for i in sorted(LABELS)]  # choice i is label i
 
 # Both tasks read the rows the harness wrote from heldout.jsonl, as lm-eval's local JSON datasets.
 WRITTEN = """\
-# Written by `python -m finetune_kit.harness` from {rows}; rewritten on every evaluation.
+# Written by `python -m finetune_tools.harness` from {rows}; rewritten on every evaluation.
 """
 LOCAL_JSON = """\
 task: {task}
@@ -65,7 +65,7 @@ metadata:
 """
 
 CLASSIFIER_YAML = WRITTEN + """\
-# Runs on a sequence classifier through the lm-eval model `finetune-classifier` (finetune_kit.harness.classifier).
+# Runs on a sequence classifier through the lm-eval model `finetune-classifier` (finetune_tools.harness.classifier).
 """ + LOCAL_JSON + """\
 output_type: multiple_choice
 doc_to_text: text
@@ -109,7 +109,7 @@ def write_heldout(evaluation: Evaluation, tokenizer=None) -> Path:
 
 def instruction_documents(tokenizer, rows, model_folder: Path, source: Path) -> list[dict]:
     """``{"example_id", "context", "target", "answer_tokens"}`` for each conversation of ``rows``."""
-    from finetune_kit.harness.causal import encode_pair
+    from finetune_tools.harness.causal import encode_pair
 
     if not tokenizer.chat_template:
         raise ConfigError(f"the tokenizer in '{model_folder}' has no chat template, so the held-out conversations "

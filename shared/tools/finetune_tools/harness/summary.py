@@ -1,6 +1,6 @@
 """What an evaluation leaves in ``<run>/eval/``, and the table it prints.
 
-    eval/tasks/                the heldout task as lm-eval reads it (finetune_kit.harness.tasks)
+    eval/tasks/                the heldout task as lm-eval reads it (finetune_tools.harness.tasks)
     eval/results.json          lm-eval's whole output: per task its metrics with standard errors, its config,
                                versions, sample counts (one entry per lm-eval call: ``heldout``, ``lm_eval_tasks``)
     eval/samples/<task>.jsonl  each document with its requests and the model's answers (lm-eval's log_samples)

@@ -13,7 +13,7 @@ becomes tokens (:func:`encode_pair`):
   without BOS, such as ``plain``, then has none).
 
 ``encode_pair`` tokenises as training did: the context and the answer each on their own, nothing added. The
-heldout task counts each answer's tokens with the same function (finetune_kit.harness.tasks), so the token
+heldout task counts each answer's tokens with the same function (finetune_tools.harness.tasks), so the token
 count of the perplexity is the number of tokens scored. With Llama 3's tokenizer the context then ends in the
 token ``\\n\\n`` (id 271) and the answer starts at its first word, as in one tokenisation of the whole text.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from finetune_kit.harness.inputs import ModelSource
+from finetune_tools.harness.inputs import ModelSource
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
