@@ -16,7 +16,7 @@ Every TrainingArguments flag works (--per_device_train_batch_size, --gradient_ac
 --learning_rate, --save_steps, ...); this script only changes their defaults. A value fixed in the
 DeepSpeed JSON must agree with its flag, or the run stops in its first seconds.
 
-Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists (chat "messages",
+Data: JSONL/CSV/Parquet rows (or a hub dataset) in any of the formats the README lists (chat "messages",
 ShareGPT, Alpaca, prompt/completion, prompt/response), rendered with Llama 2's chat template,
 "<s>[INST] prompt [/INST] answer </s>" per turn; the loss is on the answers. Outputs under
 --output_dir: checkpoint-N/ (resume with --resume_from_checkpoint latest), model/ (consolidated

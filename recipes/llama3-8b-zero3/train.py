@@ -19,7 +19,7 @@ Launch from this folder:
     # the same script under PyTorch FSDP2 instead of DeepSpeed (README: "ZeRO-3 or FSDP2?"):
     accelerate launch --config_file configs/fsdp2.yaml train.py --data my_data.jsonl
 
-Data: JSONL/CSV rows (or a hub dataset) in any of the formats the README lists: chat "messages",
+Data: JSONL/CSV/Parquet rows (or a hub dataset) in any of the formats the README lists: chat "messages",
 ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
 safetensors + tokenizer with the chat template, generation_config.json stopping at its end of turn, README.md:

@@ -131,6 +131,39 @@ def detect(columns: list[str], forced: str = "auto", prompt_field: str = "prompt
                     "one-turn dataset with other names.")
 
 
+def check_one_format(rows, prompt_field: str = "prompt", response_field: str = "response",
+                     source: str = "data") -> None:
+    """DataError when the rows of ``rows`` come in more than one format (a file that joins, say, ``messages`` rows
+    and Alpaca rows reads as one table whose rows leave the other format's columns empty), naming each format
+    with its rows, counted from 1. A row is of the first format whose columns all hold a value in it."""
+    candidates = [*FIXED, prompt_response(prompt_field, response_field)]
+    present = [f for f in candidates if all(c in rows.column_names for c in f.columns)]
+    if len(present) < 2:
+        return
+    found: dict[str, list[int]] = {}
+    for n, row in enumerate(rows, 1):
+        fmt = next((f for f in present if all(row.get(c) is not None for c in f.columns)), None)
+        if fmt is not None:
+            found.setdefault(fmt.name, []).append(n)
+    if len(found) > 1:
+        which = "; ".join(f"{name} in {_spans(numbers)}" for name, numbers in found.items())
+        raise DataError(f"data '{source}' mixes formats: {which}. A run reads one format: split the file into one "
+                        "file per format and train on the one you want, or convert its rows to one format.")
+
+
+def _spans(numbers: list[int], most: int = 4) -> str:
+    """``rows 1-10, 21-30 and 2 more spans`` from sorted row numbers."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    shown = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans[:most])
+    more = f" and {len(spans) - most} more spans" if len(spans) > most else ""
+    return f"{'row' if len(numbers) == 1 else 'rows'} {shown}{more} ({len(numbers)})"
+
+
 def check_rows(rows, fmt: Format, source: str = "data") -> None:
     """Convert every row once; raise DataError naming the first bad rows (counting from 1)."""
     bad: list[str] = []

@@ -26,7 +26,7 @@ from finetune_kit.losses import IGNORE_INDEX
 SAMPLE_DIR = Path(__file__).parent / "samples"
 SAMPLE_INSTRUCTIONS = SAMPLE_DIR / "instructions.jsonl"
 
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv"}
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 OK, TRUNCATED, TOO_LONG, NO_ANSWER = "ok", "truncated", "too_long", "no_answer"
 
 
@@ -45,13 +45,14 @@ class InstructionRows:
 
 def load_rows(source: str, data_format: str = "auto", prompt_field: str = "prompt",
               response_field: str = "response", split: str = "train", flag: str = "--data") -> InstructionRows:
-    """Read ``source`` (a .jsonl/.json/.csv path or a hub dataset name), detect or check its
-    format and check every row; raise DataError naming the problem before anything starts.
+    """Read ``source`` (a .jsonl/.json/.csv/.parquet path, a folder of .parquet files, or a hub dataset name),
+    detect or check its format and check every row; raise DataError naming the problem before anything starts.
     ``flag``: the option that named ``source``, as the errors name it (e.g. --sample-prompts)."""
     rows = _read(source, split, flag)
     if len(rows) == 0:
         raise DataError(f"data '{source}' has no rows. Pass a file with at least one example per line.")
     fmt = formats.detect(rows.column_names, data_format, prompt_field, response_field, source)
+    formats.check_one_format(rows, prompt_field, response_field, source)
     formats.check_rows(rows, fmt, source)
     return InstructionRows(rows, fmt, source, (prompt_field, response_field))
 
@@ -60,7 +61,7 @@ def _read(source: str, split: str, flag: str):
     import datasets
 
     path = Path(source)
-    looks_like_file = path.suffix.lower() in FILE_FORMATS or source.startswith((".", "/", "~"))
+    looks_like_file = path.suffix.lower() in FILE_FORMATS or source.startswith((".", "/", "~")) or path.is_dir()
     if not looks_like_file:
         try:
             return datasets.load_dataset(source, split=split)
@@ -71,10 +72,13 @@ def _read(source: str, split: str, flag: str):
                 "and your network access."
             ) from err
     path = path.expanduser()
+    if path.is_dir():
+        return _read_parquet_folder(path, source)
     if not path.is_file():
         raise DataError(
             f"data file '{source}' does not exist. Pass {flag} with the path of a "
-            f".jsonl, .json or .csv file (the sample is {SAMPLE_INSTRUCTIONS})."
+            f".jsonl, .json, .csv or .parquet file, or of a folder of .parquet files (the sample is "
+            f"{SAMPLE_INSTRUCTIONS})."
         )
     kind = FILE_FORMATS.get(path.suffix.lower())
     if kind is None:
@@ -90,6 +94,22 @@ def _read(source: str, split: str, flag: str):
         cause = f"{err}" + (f" ({err.__cause__})" if err.__cause__ else "")
         raise DataError(f"could not parse data file '{source}' as {kind}: {cause or type(err).__name__}") from err
 
+
+
+def _read_parquet_folder(path: Path, source: str):
+    """The rows of every .parquet file in folder ``path`` (as a hub dataset's folder holds them), in name order."""
+    import datasets
+
+    files = sorted(str(f) for f in path.rglob("*.parquet"))
+    if not files:
+        raise DataError(f"data folder '{source}' holds no .parquet files. Pass a folder of .parquet files, or one "
+                        f"data file ({', '.join(FILE_FORMATS)}).")
+    try:
+        return datasets.load_dataset("parquet", data_files=files, split="train")
+    except Exception as err:  # e.g. files whose columns differ
+        cause = f"{err}" + (f" ({err.__cause__})" if err.__cause__ else "")
+        raise DataError(f"could not read the {len(files)} .parquet files of '{source}' as one table: "
+                        f"{cause or type(err).__name__}. Give them the same columns, or pass one file.") from err
 
 def check_jsonl(path: Path) -> None:
     """Every line of a JSONL file is UTF-8 (a byte-order mark first is fine) and one JSON object, and

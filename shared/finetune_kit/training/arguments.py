@@ -44,7 +44,7 @@ class ModelArguments:
 class InstructionData:
     """Instruction data in any of the row formats, rendered by a chat template, the loss on the answers."""
 
-    data: str = flag(None, ".jsonl/.json/.csv file or hub dataset name")
+    data: str = flag(None, ".jsonl/.json/.csv/.parquet file, a folder of .parquet files, or a hub dataset name")
     data_format: str = flag("auto", "row shape; auto: detected from the columns", choices=formats.NAMES)
     prompt_field: str = flag("prompt", "prompt-response format: the prompt's column")
     response_field: str = flag("response", "prompt-response format: the answer's column")

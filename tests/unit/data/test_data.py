@@ -1,5 +1,8 @@
 """Loading instruction data, chat templates and the assistant-only loss mask, truncation at turns."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from finetune_kit.data import instructions, templates
@@ -244,3 +247,50 @@ def test_a_missing_file_is_named_with_the_flag_that_named_it(tmp_path):
     for flag in ("--data", "--sample-prompts"):
         with pytest.raises(DataError, match=rf"data file '.*absent\.jsonl' does not exist\. Pass {flag} with"):
             load_rows(str(tmp_path / "absent.jsonl"), flag=flag)
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_parquet_file_and_a_folder_of_them_read_like_jsonl(tmp_path):
+    """The same rows as a .jsonl file, a .parquet file and a folder of two .parquet files (a hub dataset's
+    layout): the same conversations, in the same order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = rows_of(instructions.SAMPLE_DIR / "chat.jsonl")
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "chat.parquet")
+    folder = tmp_path / "hub" / "data"
+    folder.mkdir(parents=True)
+    half = len(rows) // 2
+    pq.write_table(table.slice(0, half), folder / "train-00000-of-00002.parquet")
+    pq.write_table(table.slice(half), folder / "train-00001-of-00002.parquet")
+    want = instructions.load_rows(str(instructions.SAMPLE_DIR / "chat.jsonl"))
+    for source in (tmp_path / "chat.parquet", tmp_path / "hub"):
+        got = instructions.load_rows(str(source))
+        assert got.format.name == want.format.name == "messages"
+        assert [got.format.to_messages(r) for r in got.rows] == [want.format.to_messages(r) for r in want.rows]
+
+
+def test_a_folder_without_parquet_files_is_named(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match=r"holds no \.parquet files"):
+        instructions.load_rows(str(tmp_path))
+
+
+def test_a_file_of_mixed_formats_names_them_with_their_rows(tmp_path):
+    """Ten messages rows, five Alpaca rows, five messages rows: one line naming both formats and their rows,
+    with or without --data-format; the same rows in one format pass (the control)."""
+    chat = rows_of(instructions.SAMPLE_DIR / "chat.jsonl")[:15]
+    alpaca = rows_of(instructions.SAMPLE_DIR / "alpaca.jsonl")[:5]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in chat[:10] + alpaca + chat[10:]))
+    for data_format in ("auto", "messages", "alpaca"):
+        with pytest.raises(DataError, match=r"mixes formats: messages in rows 1-10, 16-20 \(15\); alpaca in rows "
+                                            r"11-15 \(5\)\. A run reads one format: split the file"):
+            instructions.load_rows(str(mixed), data_format)
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in chat))
+    assert instructions.load_rows(str(one)).format.name == "messages"
