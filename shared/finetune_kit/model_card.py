@@ -1,10 +1,13 @@
 """The model card: ``README.md`` in each folder a run saved (``model/``, ``adapter/``, ``merged/``), ready to publish.
 
-A Hugging Face model card, generated from the run's own files, never typed: YAML front matter (``base_model``,
-``library_name``, ``pipeline_tag``, ``tags``, ``datasets``: hub dataset ids only, a local file being named with its
-sha256 in the card's Data section, where a hub would link a name to a dataset that does not exist), then how
-to load it, the recipe and its settings, the data counts, the throughput and memory measured during the run,
-the validation and ``make eval``'s results (``eval/summary.json``) and the sample answers (``samples.jsonl``).
+A Hugging Face model card, generated from the run's own files, never typed: front matter written by
+huggingface_hub's ``ModelCardData`` (``base_model`` and, for an adapter or a merge, ``base_model_relation``;
+``library_name``, ``pipeline_tag``, ``tags``, ``license`` where the base's card or config names one, ``datasets``:
+hub dataset ids only, a local file being named with its sha256 in the card's Data section, where a hub would link a
+name to a dataset that does not exist; and ``model-index``: the validation and ``make eval``'s results as
+``EvalResult`` entries, which the Hub shows as the model's results and model search reads), then how to load it,
+the recipe and its settings, the data counts, the throughput and memory measured during the run, the validation
+and ``make eval``'s results (``eval/summary.json``) and the sample answers (``samples.jsonl``).
 Written at the end of a run (rank 0) and again by the evaluation harness and the merged export, so the card
 always says what the folder's run folder holds.
 """
@@ -17,6 +20,7 @@ from pathlib import Path
 
 FOLDERS = ("model", "adapter", "merged")
 PROJECT = "finetune-kit"
+LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"  # what make eval runs
 
 
 def write(run: Path) -> list[Path]:
@@ -54,18 +58,9 @@ def render(folder: str, facts: dict) -> str:
     settings = info.get("settings", {})
     base = info["model"]
     classifier = record["training"]["method"] != "full" and record["recipe"].endswith("qlora")
-    library = "peft" if folder == "adapter" else "transformers"
     datasets = _datasets(record, settings)
-    front = ["---"]
-    if _is_hub_id(base):
-        front.append(f"base_model: {base}")
-    front += [f"library_name: {library}", f"pipeline_tag: {'text-classification' if classifier else 'text-generation'}",
-              "tags:", *(f"- {tag}" for tag in _tags(record, folder))]
-    hub_datasets = [name for name, _ in datasets if name]
-    if hub_datasets:
-        front += ["datasets:", *(f"- {name}" for name in hub_datasets)]
-    front.append("---")
-    lines = [*front, "", f"# {record['recipe']}: {Path(base).name} fine-tuned ({_what(record, folder)})", ""]
+    title = f"{record['recipe']}: {Path(base).name} fine-tuned ({_what(record, folder)})"
+    lines = ["---", card_data(folder, facts, title, datasets).to_yaml(), "---", "", f"# {title}", ""]
     lines += [f"Fine-tuned from `{base}` with the `{record['recipe']}` recipe of {PROJECT} "
               f"({record['training']['method']} fine-tune, {_engine(record)}, {record['hardware']['devices']} x "
               f"{record['hardware']['device']}), commit `{record['git_commit']}`, finished {info['finished_at']}.", ""]
@@ -91,6 +86,66 @@ def render(folder: str, facts: dict) -> str:
     lines += _evaluation(info, facts["evaluation"])
     lines += _samples(facts["samples"])
     return "\n".join(lines).rstrip() + "\n"
+
+
+def card_data(folder: str, facts: dict, title: str, datasets: list[tuple[str, str]]):
+    """The card's metadata, as huggingface_hub writes and validates it (``ModelCardData``)."""
+    from huggingface_hub import ModelCardData
+
+    record, info, base = facts["record"], facts["info"], facts["info"]["model"]
+    classifier = record["training"]["method"] != "full" and record["recipe"].endswith("qlora")
+    task = "text-classification" if classifier else "text-generation"
+    hub_base = base if _is_hub_id(base) else None
+    hub_datasets = [name for name, _ in datasets if name]
+    results = _eval_results(task, info, facts["evaluation"], hub_datasets)
+    return ModelCardData(
+        base_model=hub_base, library_name="peft" if folder == "adapter" else "transformers", pipeline_tag=task,
+        tags=_tags(record, folder), license=_license(base), datasets=hub_datasets or None,
+        model_name=title if results else None, eval_results=results or None,
+        # how the folder derives from its base, as the Hub's model tree reads it
+        **({"base_model_relation": {"adapter": "adapter", "merged": "merge"}[folder]}
+           if hub_base and folder != "model" else {}))
+
+
+def _eval_results(task: str, info: dict, summary: dict | None, hub_datasets: list[str]) -> list:
+    """``EvalResult`` entries: the validation at the end of training (on the held-out split of the training data,
+    named by its hub id when it is one hub dataset) and every number of ``make eval``'s summary (per task)."""
+    from huggingface_hub import EvalResult
+
+    held_out = hub_datasets[0] if len(hub_datasets) == 1 else "heldout"
+    results = []
+    for metric, key, name in (("loss", "eval_loss", "validation loss (nats/token)"),
+                              ("accuracy", "eval_accuracy", "validation accuracy")):
+        if info.get(key) is not None:
+            results.append(EvalResult(task_type=task, dataset_type=held_out, dataset_name="held-out split",
+                                      dataset_split="validation", metric_type=metric, metric_value=info[key],
+                                      metric_name=name))
+    for name, metrics in (summary or {}).get("tasks", {}).items():
+        for metric, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                results.append(EvalResult(task_type=task, task_name=name, dataset_type=held_out if name == "heldout"
+                                          else name, dataset_name=name, metric_type=metric, metric_value=value,
+                                          source_name=f"lm-evaluation-harness {summary.get('lm_eval', '')}".strip(),
+                                          source_url=LM_EVAL_URL))
+    return results
+
+
+def _license(base: str) -> str | None:
+    """The license the base model's folder names: its card's front matter, else a ``license`` in its config."""
+    folder = Path(base).expanduser()
+    if (folder / "README.md").is_file():
+        from huggingface_hub import ModelCard
+
+        try:
+            found = ModelCard.load(folder / "README.md", ignore_metadata_errors=True).data.license
+        except Exception:  # a README without front matter, or one huggingface_hub cannot parse: no license named
+            found = None
+        if found:
+            return found
+    if (folder / "config.json").is_file():
+        found = json.loads((folder / "config.json").read_text()).get("license")
+        return found if isinstance(found, str) else None
+    return None
 
 
 def _is_hub_id(name: str) -> bool:

@@ -99,3 +99,98 @@ def test_no_card_without_the_run_records(tmp_path, missing):
                     folders=("model",))
     (run / missing).unlink()
     assert model_card.write(run) == [] and not (run / "model/README.md").exists()
+
+
+# ---- the metadata through huggingface_hub: what the Hub reads, model-index included ----
+
+SUMMARY = {"model": "m", "lm_eval": "0.4.13", "device": "cpu", "dtype": "float32",
+           "tasks": {"heldout": {"perplexity": 1.2642, "loss": 0.2344}, "arc_easy": {"acc": 0.5, "acc_norm": 0.25}}}
+
+
+def results_of(card) -> dict[tuple[str, str], float]:
+    """``(dataset name, metric)`` -> value, from a loaded card's ``model-index``."""
+    return {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+
+
+def expected_results(info: dict, summary: dict) -> dict[tuple[str, str], float]:
+    want = {("held-out split", "loss"): info["eval_loss"]}
+    if info.get("eval_accuracy") is not None:
+        want["held-out split", "accuracy"] = info["eval_accuracy"]
+    want.update({(task, metric): value for task, metrics in summary["tasks"].items()
+                 for metric, value in metrics.items()})
+    return want
+
+
+def classifier_run_with_eval(tmp_path):
+    run = write_run(tmp_path / "run", recipe="llama3-70b-qlora", method="qlora",
+                    model="meta-llama/Llama-3.3-70B-Instruct", data="org/reviews", folders=("adapter", "merged"),
+                    details={"lora": {"rank": 16, "alpha": 32, "dropout": 0.05, "targets": "all-linear"}})
+    (run / "eval").mkdir()
+    (run / "eval/summary.json").write_text(json.dumps(SUMMARY))
+    return run
+
+
+def test_every_card_loads_with_its_results_in_the_model_index(tmp_path):
+    """ModelCard.load parses each card; eval_results give back the validation and make eval's numbers; the
+    adapter and the merge say how they derive from the base."""
+    from huggingface_hub import ModelCard
+
+    run = classifier_run_with_eval(tmp_path)
+    info = json.loads((run / "run_info.json").read_text())
+    for path, relation, library in zip(model_card.write(run), ("adapter", "merge"), ("peft", "transformers"),
+                                       strict=True):
+        card = ModelCard.load(path)
+        assert results_of(card) == expected_results(info, SUMMARY)
+        assert (card.data.base_model, card.data.base_model_relation, card.data.library_name) == (
+            "meta-llama/Llama-3.3-70B-Instruct", relation, library)
+        assert card.data.datasets == ["org/reviews"] and card.data.pipeline_tag == "text-classification"
+        held_out = next(r for r in card.data.eval_results if r.metric_type == "accuracy")
+        assert (held_out.dataset_type, held_out.dataset_split) == ("org/reviews", "validation")
+        assert "## Evaluation" in card.text and "| arc_easy | acc | 0.5 |" in card.text  # the body as before
+
+
+def test_a_card_whose_results_differ_from_the_summary_is_caught(tmp_path):
+    """The negative control of the comparison above: one value changed in the card's model-index."""
+    from huggingface_hub import ModelCard
+
+    run = classifier_run_with_eval(tmp_path)
+    path = model_card.write(run)[0]
+    info = json.loads((run / "run_info.json").read_text())
+    text = path.read_text()
+    assert "value: 0.25\n" in text
+    path.write_text(text.replace("value: 0.25\n", "value: 0.35\n", 1))
+    assert results_of(ModelCard.load(path)) != expected_results(info, SUMMARY)
+
+
+def test_the_front_matter_passes_huggingface_hubs_metadata_checks_offline(tmp_path):
+    """What ModelCard does before a push, without the network: the model-index parses back into the same results
+    (ignore_metadata_errors off), and the metadata round-trips through ModelCardData."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
+
+    run = classifier_run_with_eval(tmp_path)
+    for path in model_card.write(run):
+        card = ModelCard(path.read_text(), ignore_metadata_errors=False)
+        meta, _ = front_and_body(path.read_text())
+        name, results = model_index_to_eval_results(meta["model-index"])
+        assert eval_results_to_model_index(name, results) == meta["model-index"]
+        assert ModelCardData(**meta).to_dict() == card.data.to_dict() == meta
+
+
+def test_a_base_folder_that_names_a_license_passes_it_on_and_an_old_card_still_loads(tmp_path):
+    """The license of a local base's card; a card written by hand before (plain YAML front matter) loads, and the
+    next write replaces it."""
+    from huggingface_hub import ModelCard
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: llama3\n---\n# base\n")
+    run = write_run(tmp_path / "run", recipe="llama3-8b-zero3", method="full", model=str(base), data="d.jsonl",
+                    folders=("model",))
+    old = ("---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags:\n- finetune-kit\n- full\n---\n\n"
+           "# llama3-8b-zero3: base fine-tuned (consolidated 16-bit weights)\n")
+    (run / "model/README.md").write_text(old)
+    assert ModelCard.load(run / "model/README.md").data.library_name == "transformers"
+    card = ModelCard.load(model_card.write(run)[0])
+    assert card.data.license == "llama3" and card.data.base_model is None  # a local folder is no hub id
+    assert results_of(card) == {("held-out split", "loss"): 0.2345, ("held-out split", "accuracy"): 0.91}
