@@ -18,10 +18,10 @@ def start(checked, args):
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
     from finetune_kit.launch.accelerator import make_accelerator
-    from finetune_kit.launch.startup import speed_up
+    from finetune_kit.launch.startup import import_muon_uncompiled
 
     if checked.fsdp is None:  # DeepSpeed's ZeRO check would import it with torch.compile's set-up (seconds per rank)
-        speed_up(checked.ds_config)
+        import_muon_uncompiled(checked.ds_config)
     acc = make_accelerator(
         # steps() reads a step's micro-batches before the first backward: the loader's end is then reached
         # before the step's last micro-batch, so the boundary is counted, not taken from the loader

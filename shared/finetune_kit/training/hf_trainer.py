@@ -228,10 +228,10 @@ def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrai
     """A :class:`MeteredTrainer` on ``args`` (metered like the accelerate loops), which checkpoints before a
     stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. The recipe
     holds the output folder around it (``training.hold_output``)."""
-    from finetune_kit.launch.startup import speed_up
+    from finetune_kit.launch.startup import import_muon_uncompiled
     from finetune_kit.metering import prometheus
 
-    speed_up(checked.ds_config)  # DeepSpeed's ZeRO check would import Muon with torch.compile's set-up
+    import_muon_uncompiled(checked.ds_config)  # DeepSpeed's ZeRO check would import it with torch.compile's set-up
     trainer = MeteredTrainer(args=args, flop_counter=FlopCounter(checked.shape, num_labels=checked.num_labels),
                              metrics_dir=checked.output, endpoint=prometheus.open_endpoint(checked.recipe),
                              offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)
