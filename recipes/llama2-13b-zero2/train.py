@@ -79,6 +79,7 @@ def check_inputs(argv=None):
     args, trainer_flags = parse_args(argv)
     checked = training.for_trainer(RECIPE, args, trainer_flags, zero_stage=2, configs=CONFIGS)
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
+    data.check_template(rows, args.model, args.chat_template)  # rows with tool calls need a template for them
     return args, trainer_flags, checked, rows
 
 

@@ -62,6 +62,7 @@ def check_inputs(argv=None):
     checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH,
                                       configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
+    data.check_template(rows, args.model, args.chat_template)  # rows with tool calls need a template for them
     return args, checked, rows
 
 

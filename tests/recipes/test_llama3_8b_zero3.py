@@ -573,16 +573,54 @@ def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
 
 
 def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
-    """One optimizer step on one process per remaining format (messages and prompt/response run above);
-    the three single-process launches run side by side, their ranks warm."""
-    samples = ["sharegpt", "alpaca", "prompt_completion"]
+    """One optimizer step per remaining format (messages and prompt/response run above; ShareGPT in the 13B
+    recipe's test), the launches side by side, their ranks warm: Alpaca from JSONL, prompt/completion from a
+    Parquet file, and the tool-calling sample (messages with tool calls and results, a tools column) through
+    --chat-template llama3.1 on 2 ranks that share each packed sequence, with a held-out split and sample
+    answers. Its held-out rows read back as make eval reads them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from finetune_kit.data import templates
+    from finetune_kit.metering.run_record import RunRecord
+    from finetune_tools.harness.tasks import instruction_documents
+
+    parquet = tmp_path / "prompt_completion.parquet"
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in
+                                         (SAMPLES / "prompt_completion.jsonl").read_text().splitlines()]), parquet)
+    common = ("--model", str(tiny_llama3), "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
+              "--save-every", "0")
+    runs = {"alpaca": (SAMPLES / "alpaca.jsonl", ("--max-seq-len", "128", "--eval-fraction", "0"), 1),
+            "prompt_completion": (parquet, ("--max-seq-len", "128", "--eval-fraction", "0"), 1),
+            "tools": (SAMPLES / "tools.jsonl", ("--chat-template", "llama3.1", "--max-seq-len", "512", "--pack",
+                                                *SEQUENCE_PARALLEL, "--eval-fraction", "0.25", "--samples", "2",
+                                                "--sample-tokens", "24"), 2)}
     procs = side_by_side([(recipe_copy, accelerate_command(
-        "--model", str(tiny_llama3), "--data", str(SAMPLES / f"{sample}.jsonl"), "--max-seq-len", "128",
-        "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1", "--save-every", "0", "--eval-fraction", "0",
-        "--output", str(tmp_path / sample), config="configs/zero3.yaml", nproc=1)) for sample in samples], warm=True)
-    for sample, proc in zip(samples, procs, strict=True):
-        assert_finished(proc, 1, sample)
-        assert f"({sample.replace('_', '-')}, chat template tokenizer's own)" in proc.stdout
+        *common, "--data", str(data), *extra, "--output", str(tmp_path / name), config="configs/zero3.yaml",
+        nproc=nproc)) for name, (data, extra, nproc) in runs.items()], warm=True)
+    for name, proc in zip(runs, procs, strict=True):
+        assert_finished(proc, 1, name)
+        want = {"tools": "messages, chat template llama3.1"}.get(name, f"{name.replace('_', '-')}, chat template "
+                                                                        "tokenizer's own")
+        assert f"({want})" in proc.stdout, name
+    # the tool calls: trained on 2 ranks sharing each packed sequence, the run's model saved with the template
+    run = tmp_path / "tools"
+    record = RunRecord.read(run / "run_record.json")
+    assert (record.data.examples, record.training.sequence_parallel, record.training.packing) == (48, 2, True)
+    tokenizer = AutoTokenizer.from_pretrained(run / "model")
+    assert tokenizer.chat_template == templates.SHIPPED["llama3.1"].read_text()
+    heldout = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
+    assert len(heldout) == 12 and sum("tools" in row for row in heldout) >= 10
+    # the sample answers: held-out prompts cut before their last answer, most of them after a tool's result
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and any(row["prompt"].startswith("(result of ") for row in samples), samples
+    # make eval's heldout task: the context runs to the tool's result and the assistant's header
+    documents = instruction_documents(tokenizer, heldout, run / "model", run / "heldout.jsonl")
+    after_results = [d for d, row in zip(documents, heldout, strict=True) if row["messages"][-2]["role"] == "tool"]
+    assert after_results and all(re.search(r"<\|start_header_id\|>ipython<\|end_header_id\|>\n\n[^<]*<\|eot_id\|>"
+                                           r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n$", d["context"])
+                                 for d in after_results)
 
 
 # ---- one model, however the batch is split ----
@@ -1015,7 +1053,7 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("missing_file", r"data file '.*absent\.jsonl' does not exist"),
     ("missing_fields", r"columns \['prompt', 'answer'\], which match no known format"),
     ("not_json", r"d\.jsonl', line 2: not JSON"),
-    ("unknown_template", r"chat template 'llama9' is not one of auto, llama2, llama3, plain"),
+    ("unknown_template", r"chat template 'llama9' is not one of auto, llama2, llama3, llama3\.1, plain"),
     ("empty_after_filter", r"no training examples left"),
     ("seq_len_too_long", r"--max-seq-len 4096 is above the limit .*max_position_embeddings = 512"),
     ("no_model", r"model path '/no/such/model' does not exist"),
@@ -1050,6 +1088,9 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
                             r"model is .*earlier/model; pass --model .*earlier/model\.$"),
     ("classifier_as_model", r"model '.*classifier' is a sequence classifier \(LlamaForSequenceClassification: a "
                             r"score head of 2 labels, no LM head\); this recipe trains a causal LM"),
+    ("tools_without_a_template_for_them", r"data '.*tools\.jsonl' has 44 row\(s\) with tools, but the chat template "
+                                          r"'tokenizer's own' cannot render tool calling \(its text leaves out the "
+                                          r"tool schemas and the tool call\)\. Pass --chat-template llama3\.1"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -1071,6 +1112,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a",\n')
     elif case == "unknown_template":
         args["--chat-template"] = "llama9"
+    elif case == "tools_without_a_template_for_them":  # Llama 3 Instruct's own template has no tools
+        args["--data"] = str(SAMPLES / "tools.jsonl")
     elif case == "empty_after_filter":
         args["--data"] = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "word " * 200, "response": "b"}])
     elif case == "seq_len_too_long":

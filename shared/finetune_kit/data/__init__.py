@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 _LAZY = {
     **dict.fromkeys(("PackedCollator", "PadCollator", "RowRecorder", "model_inputs", "pack"),
                     "finetune_kit.data.batching"),
-    **dict.fromkeys(("SAMPLE_INSTRUCTIONS", "holdout_split", "load_rows", "tokenize_conversation", "tokenize_rows",
-                     "heldout_rows"),
+    **dict.fromkeys(("SAMPLE_INSTRUCTIONS", "check_template", "holdout_split", "load_rows", "tokenize_conversation",
+                     "tokenize_rows", "heldout_rows"),
                     "finetune_kit.data.instructions"),
     "DataCounts": "finetune_kit.data.counts",
     **dict.fromkeys(("ChatTemplate", "chat_template", "end_of_turn_ids"), "finetune_kit.data.templates"),
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
     from finetune_kit.data.counts import DataCounts
     from finetune_kit.data.instructions import (
         SAMPLE_INSTRUCTIONS,
+        check_template,
         heldout_rows,
         holdout_split,
         load_rows,

@@ -1,6 +1,6 @@
 """The row shapes instruction data comes in, each turned into one list of chat messages.
 
-Every format becomes ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, so
+Every format becomes ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``, so
 one chat template and one loss mask serve them all:
 
 =================  =========================================  ===========================================
@@ -16,18 +16,31 @@ prompt-response    ``prompt``, ``response`` (renameable)      one turn; ``--prom
 ``detect`` picks the first format in that order whose columns are all present; a flag can
 force one. ``check_rows`` validates every row before any process group starts and names the
 rows that break a rule.
+
+Tool calling, as OpenAI's chat format and the chat templates of transformers write it: an assistant
+turn may carry ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments"}}]``, the
+arguments an object or a JSON string of one; its ``content`` may be empty), a ``tool`` turn holds a
+call's result (``tool_call_id`` and ``name`` kept when given), and a ``tools`` column (a list of
+function schemas, or a JSON string of one) says what the model may call: :func:`tools` reads it. ShareGPT
+rows say the same with ``function_call`` turns (the call as JSON) and ``observation`` turns (the result),
+as LLaMA-Factory writes them. Every call becomes ``{"type": "function", "function": {"name": str,
+"arguments": dict}}`` and every schema ``{"type": "function", "function": {...}}``, the shape templates read.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from finetune_kit.errors import DataError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-                  "assistant": "assistant", "chatgpt": "assistant"}
+                  "assistant": "assistant", "chatgpt": "assistant", "function_call": "assistant",
+                  "observation": "tool", "tool": "tool"}
+CALL_TURNS = ("function_call",)  # ShareGPT turns whose value is the call itself
 
 
 @dataclass(frozen=True)
@@ -43,18 +56,105 @@ def _turns(value, source: str, role_key: str = "role", content_key: str = "conte
         raise ValueError(f"'{source}' is {type(value).__name__}, not a list of turns")
     out = []
     for n, turn in enumerate(value, 1):
-        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise ValueError(f"turn {n} of '{source}' is not a {{'{role_key}', '{content_key}'}} object: {turn!r:.80}")
-        role = turn[role_key]
-        role = (roles or {r: r for r in ROLES}).get(role if isinstance(role, str) else "", None)
+        where = f"turn {n} of '{source}'"
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn and "tool_calls" not in turn:
+            raise ValueError(f"{where} is not a {{'{role_key}', '{content_key}'}} object: {turn!r:.80}")
+        given = turn[role_key]
+        role = (roles or {r: r for r in ROLES}).get(given if isinstance(given, str) else "", None)
         if role is None:
             known = sorted(roles or ROLES)
-            raise ValueError(f"turn {n} of '{source}' has {role_key} {turn[role_key]!r}; known: {', '.join(known)}")
-        content = turn[content_key]
+            raise ValueError(f"{where} has {role_key} {given!r}; known: {', '.join(known)}")
+        content = turn.get(content_key)
+        if given in CALL_TURNS:  # ShareGPT's function_call: the value is the call, or a list of calls
+            calls = _json(content, f"{where} ({given})")
+            out.append({"role": "assistant", "content": "",
+                        "tool_calls": _calls(calls if isinstance(calls, list) else [calls], where)})
+            continue
+        if role == "tool" and isinstance(content, (dict, list)):
+            content = json.dumps(content, ensure_ascii=False)  # a result given as JSON: the text a call returned
+        calls = turn.get("tool_calls") if role == "assistant" else None
+        if calls is not None and content is None:
+            content = ""  # OpenAI's shape: a turn that only calls has no content
         if not isinstance(content, str):
-            raise ValueError(f"turn {n} of '{source}' has {content_key} of type {type(content).__name__}, not text")
-        out.append({"role": role, "content": content})
+            raise ValueError(f"{where} has {content_key} of type {type(content).__name__}, not text")
+        message = {"role": role, "content": content}
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ValueError(f"{where} has tool_calls of type {type(calls).__name__}, not a list of calls")
+            message["tool_calls"] = _calls(calls, where)
+        if role == "tool":
+            message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
+        out.append(message)
     return out
+
+
+def _json(value, where: str):
+    """``value``, or the JSON a string of it holds; ValueError naming ``where`` if the string is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not JSON ({err.msg} at column {err.colno}): {value!r:.60}") from None
+
+
+def _calls(calls: list, where: str) -> list[dict]:
+    """Each call as ``{"type": "function", "function": {"name": str, "arguments": dict}}`` (plus its ``id``);
+    a call may come in that shape or as a bare ``{"name", "arguments"}``, the arguments an object or JSON text."""
+    out = []
+    for k, call in enumerate(calls, 1):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool call {k} of {where} has no function name: {call!r:.80}")
+        arguments = _json(function.get("arguments", function.get("parameters")) or {},
+                          f"the arguments of tool call {k} ({name}) of {where}")
+        if not isinstance(arguments, dict):
+            raise ValueError(f"the arguments of tool call {k} ({name}) of {where} are a "
+                             f"{type(arguments).__name__}, not an object of named arguments")
+        normal = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            normal["id"] = call["id"]
+        out.append(normal)
+    if not out:
+        raise ValueError(f"{where} has an empty list of tool calls")
+    return out
+
+
+def tools(row: dict) -> list[dict] | None:
+    """The function schemas of a row's ``tools`` column (a list, or a JSON string of one), each as
+    ``{"type": "function", "function": {...}}``; None where the row has none. Keys whose value is null are
+    dropped: a Parquet table gives every schema the union of all schemas' keys, the missing ones null.
+    Raises ValueError on a value that is not a list of schemas."""
+    value = row.get("tools")
+    value = _json(value, "'tools'") if value != "" else None  # an empty cell: no tools
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"'tools' is {type(value).__name__}, not a list of function schemas")
+    out = []
+    for k, schema in enumerate(value, 1):
+        schema = _json(schema, f"tool {k} of 'tools'")
+        if not isinstance(schema, dict):
+            raise ValueError(f"tool {k} of 'tools' is {type(schema).__name__}, not a function schema")
+        function = schema.get("function", schema) if schema.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tool {k} of 'tools' is not a function schema with a name: {schema!r:.80}")
+        out.append({"type": "function", "function": _without_nulls(function)})
+    return out
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def uses_tools(messages: list[dict], schemas: list[dict] | None) -> bool:
+    """Whether a conversation needs a template that renders tools: it has schemas, calls or results."""
+    return bool(schemas) or any("tool_calls" in m or m["role"] == "tool" for m in messages)
 
 
 def _text(row: dict, column: str) -> str:
@@ -164,13 +264,16 @@ def _spans(numbers: list[int], most: int = 4) -> str:
     return f"{'row' if len(numbers) == 1 else 'rows'} {shown}{more} ({len(numbers)})"
 
 
-def check_rows(rows, fmt: Format, source: str = "data") -> None:
-    """Convert every row once; raise DataError naming the first bad rows (counting from 1)."""
+def check_rows(rows, fmt: Format, source: str = "data") -> int:
+    """Convert every row once; raise DataError naming the first bad rows (counting from 1). Returns how many rows
+    use tools (schemas, calls or results), which only a template that renders tools can train on."""
     bad: list[str] = []
-    count = 0
+    count = with_tools = 0
     for n, row in enumerate(rows, 1):
         try:
-            check_conversation(fmt.to_messages(row))
+            messages = fmt.to_messages(row)
+            check_conversation(messages)
+            with_tools += uses_tools(messages, tools(row))
         except ValueError as err:
             count += 1
             if len(bad) < 5:
@@ -179,15 +282,21 @@ def check_rows(rows, fmt: Format, source: str = "data") -> None:
         raise DataError(f"data '{source}' ({fmt.name} format): {count} row(s) cannot be read as a conversation:\n  "
                         + "\n  ".join(bad) + ("\n  ..." if count > len(bad) else "")
                         + "\nFix or remove those rows (rows with no answer text are dropped, not refused).")
+    return with_tools
 
 
 def check_conversation(messages: list[dict]) -> None:
     """The rules every template here relies on: an optional system turn first, then a user turn
-    before the first assistant turn."""
+    before the first assistant turn; a tool result only after a turn that calls a tool (or another result)."""
     roles = [m["role"] for m in messages]
     if "system" in roles[1:]:
         raise ValueError(f"a system turn is allowed only first; roles are {roles}")
     first = roles[1] if roles[:1] == ["system"] else (roles[0] if roles else None)
-    if first == "assistant":
-        raise ValueError(f"the conversation opens with an assistant turn; roles are {roles}. "
+    if first in ("assistant", "tool"):
+        raise ValueError(f"the conversation opens with {'an assistant' if first == 'assistant' else 'a tool'} turn; "
+                         f"roles are {roles}. "
                          "Start with a user turn (after an optional system turn)")
+    for n, (before, message) in enumerate(itertools.pairwise(messages), 2):
+        if message["role"] == "tool" and not ("tool_calls" in before or before["role"] == "tool"):
+            raise ValueError(f"turn {n} is a tool result, but turn {n - 1} ({before['role']}) calls no tool; roles "
+                             f"are {roles}. A tool turn follows the assistant turn whose tool_calls it answers")

@@ -6,6 +6,8 @@ Sources are a local JSONL/JSON/CSV file or a Hugging Face hub dataset name, read
 (:mod:`.templates`) and tokenised piece by piece, so ``labels`` are -100 everywhere except
 on the assistant turns -- every assistant turn, each with the template's end-of-turn token;
 the sequence's last answer also ends with the tokenizer's EOS, so generation learns to stop.
+A conversation with tools renders with its row's schemas (``tools=``); its tool calls are assistant
+turns, learnt, and the tool results are not.
 
 Conversations longer than ``max_seq_len`` lose whole turns from the end (``truncated``);
 one whose first answer does not fit is dropped (``dropped_too_long``), never cut mid-answer.
@@ -38,6 +40,7 @@ class InstructionRows:
     format: formats.Format
     source: str
     fields: tuple[str, ...] = ()  # the prompt and response columns the format reads, where it takes them
+    tool_rows: int = 0  # rows with tool schemas, calls or results: the chat template must render them
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -53,8 +56,19 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
         raise DataError(f"data '{source}' has no rows. Pass a file with at least one example per line.")
     fmt = formats.detect(rows.column_names, data_format, prompt_field, response_field, source)
     formats.check_one_format(rows, prompt_field, response_field, source)
-    formats.check_rows(rows, fmt, source)
-    return InstructionRows(rows, fmt, source, (prompt_field, response_field))
+    tool_rows = formats.check_rows(rows, fmt, source)
+    return InstructionRows(rows, fmt, source, (prompt_field, response_field), tool_rows)
+
+
+def check_template(data: InstructionRows, model: str, chat_template: str = "auto") -> None:
+    """Before launch: DataError in one line when ``data`` has rows with tools and the ``--chat-template`` choice
+    cannot render tool calling with ``model``'s tokenizer (read only then)."""
+    if not data.tool_rows:
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    templates.check_tools(tokenizer, templates.resolve(chat_template, tokenizer), data.source, data.tool_rows)
 
 
 def _read(source: str, split: str, flag: str):
@@ -144,9 +158,9 @@ def check_jsonl(path: Path) -> None:
 
 
 def tokenize_conversation(tokenizer, template: templates.ChatTemplate, messages: list[dict],
-                          max_seq_len: int) -> tuple[dict, str]:
+                          max_seq_len: int, tools: list[dict] | None = None) -> tuple[dict, str]:
     """``({"input_ids", "labels"}, status)`` for one conversation; status is one of
-    ok / truncated / too_long / no_answer (the last two come with empty lists).
+    ok / truncated / too_long / no_answer (the last two come with empty lists). ``tools``: its function schemas.
 
     Kept: the longest run of whole turns, ending with an answer, that fits ``max_seq_len``
     (with the EOS the last answer may need)."""
@@ -157,7 +171,7 @@ def tokenize_conversation(tokenizer, template: templates.ChatTemplate, messages:
     input_ids: list[int] = []
     labels: list[int] = []
     kept = fitted = 0  # tokens up to the end of the last answer that fits; answers up to there
-    for text, learnt in templates.segments(tokenizer, template, messages):
+    for text, learnt in templates.segments(tokenizer, template, messages, tools):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         input_ids += ids
         labels += ids if learnt else [IGNORE_INDEX] * len(ids)
@@ -175,7 +189,7 @@ def tokenize_conversation(tokenizer, template: templates.ChatTemplate, messages:
 
 
 def _answers(messages: list[dict]) -> int:
-    return sum(m["role"] == "assistant" and bool(m["content"].strip()) for m in messages)
+    return sum(map(templates.answers, messages))
 
 
 def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_template="auto", *,
@@ -189,6 +203,8 @@ def tokenize_rows(data: InstructionRows, tokenizer, max_seq_len: int, chat_templ
     keeps entries, read when this data was tokenised the same way before and written otherwise.
     ``workers``: processes that tokenise (``datasets``' num_proc); 0 picks by the number of rows."""
     template = templates.resolve(chat_template, tokenizer)
+    if data.tool_rows:
+        templates.check_tools(tokenizer, template, data.source, data.tool_rows)
     folder = token_cache.cache_dir(cache) if cache else None
     digest = token_cache.key(data, tokenizer, template, max_seq_len) if folder else None
     hit = token_cache.load(folder, digest) if folder else None
@@ -214,7 +230,8 @@ def _tokenize(data: InstructionRows, tokenizer, template: templates.ChatTemplate
 
     def encode(row, idx):
         try:
-            example, status = tokenize_conversation(tokenizer, template, fmt.to_messages(row), max_seq_len)
+            example, status = tokenize_conversation(tokenizer, template, fmt.to_messages(row), max_seq_len,
+                                                    formats.tools(row))
         except Exception as err:  # the template's own checks (e.g. Llama 2's alternating roles)
             raise DataError(f"data '{data.source}', row {idx + 1}: the chat template '{template.name}' cannot "
                             f"render it: {err}. Fix the row, or pick another --chat-template.") from err
@@ -249,6 +266,13 @@ def holdout_split(examples, fraction: float, seed: int):
 
 
 def heldout_rows(data: InstructionRows, example_ids: list[int]) -> list[dict]:
-    """The held-out rows as conversations, ``{"example_id", "messages"}`` each, in ``example_ids``' order:
-    what ``heldout.jsonl`` in the run folder holds for the sample answers and the evaluation harness."""
-    return [{"example_id": int(i), "messages": data.format.to_messages(data.rows[int(i)])} for i in example_ids]
+    """The held-out rows as conversations, ``{"example_id", "messages"}`` each (and ``"tools"``, the schemas, where
+    the row has them), in ``example_ids``' order: what ``heldout.jsonl`` in the run folder holds for the sample
+    answers and the evaluation harness."""
+    out = []
+    for i in map(int, example_ids):
+        row = data.rows[i]
+        schemas = formats.tools(row)
+        conversation = {"example_id": i, "messages": data.format.to_messages(row)}
+        out.append({**conversation, "tools": schemas} if schemas else conversation)
+    return out

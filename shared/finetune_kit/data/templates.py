@@ -7,12 +7,17 @@
 - ``llama3``, ``llama2``, ``plain``: the templates shipped in ``templates/`` -- Meta's
   Llama 3 Instruct and Llama 2 chat templates as their tokenizers carry them, and a
   ``### Instruction / ### Response`` layout for base models;
+- ``llama3.1``: the Llama 3 layout with tool calling as Llama 3.1 and later write it (the schemas
+  in the system turn, a call as ``{"name": ..., "parameters": ...}``, results in ``ipython`` turns);
+  the same text as ``llama3`` for a conversation without tools;
 - a path to a Jinja file, or a tokenizer folder or hub id whose template to borrow.
 
 :func:`segments` splits a rendered conversation into text pieces, each marked learnt (an
 assistant turn, with the template's end-of-turn token) or not (everything else). The pieces
 come from rendering the conversation's prefixes, so the boundaries are exactly where the
-template puts them, whatever the template.
+template puts them, whatever the template. A conversation with tools renders with ``tools=`` (the
+schemas); its tool calls are the assistant's and learnt, the tool results are not.
+:func:`check_tools` refuses a template that leaves tools out before anything starts.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from finetune_kit.errors import DataError
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-SHIPPED = {path.stem: path for path in sorted(TEMPLATE_DIR.glob("*.jinja"))}
+SHIPPED = {path.stem: path for path in sorted(TEMPLATE_DIR.glob("*.jinja"), key=lambda path: path.stem)}
 CHOICES = ("auto", *SHIPPED)
 
 
@@ -65,14 +70,22 @@ def resolve(choice, tokenizer) -> ChatTemplate:
     return ChatTemplate(f"from {choice}", other.chat_template)
 
 
-def render(tokenizer, template: ChatTemplate, messages: list[dict], generation_prompt: bool = False) -> str:
+def render(tokenizer, template: ChatTemplate, messages: list[dict], generation_prompt: bool = False,
+           tools: list[dict] | None = None) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=template.source, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+                                         add_generation_prompt=generation_prompt, tools=tools)
 
 
-def segments(tokenizer, template: ChatTemplate, messages: list[dict]) -> Iterator[tuple[str, bool]]:
+def answers(message: dict) -> bool:
+    """Whether a turn teaches the model something: an assistant turn with text or a tool call."""
+    return message["role"] == "assistant" and (bool(message["content"].strip()) or bool(message.get("tool_calls")))
+
+
+def segments(tokenizer, template: ChatTemplate, messages: list[dict],
+             tools: list[dict] | None = None) -> Iterator[tuple[str, bool]]:
     """``(text, learnt)`` pieces whose concatenation is the rendered conversation, up to and
-    including its last assistant turn; ``learnt`` is True for the assistant turns with text.
+    including its last assistant turn; ``learnt`` is True for the assistant turns with text or
+    tool calls (:func:`answers`); ``tools``: the function schemas, rendered where the template puts them.
     Lazy: a caller that stops early (the sequence is full) renders no further turns.
 
     Each assistant turn i is the text that rendering ``messages[:i + 1]`` adds to rendering
@@ -84,14 +97,13 @@ def segments(tokenizer, template: ChatTemplate, messages: list[dict]) -> Iterato
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(tokenizer, template, messages[:i], generation_prompt=True) if i else ""
-        through = render(tokenizer, template, messages[: i + 1])
+        before = render(tokenizer, template, messages[:i], generation_prompt=True, tools=tools) if i else ""
+        through = render(tokenizer, template, messages[: i + 1], tools=tools)
         if not (before.startswith(done) and through.startswith(before)):
             raise ValueError(f"the chat template '{template.name}' renders turn {i + 1} differently with and "
                              "without the turns after it, so the assistant's tokens cannot be told apart")
-        answered = bool(message["content"].strip())  # an empty answer teaches nothing
         yield before[len(done):], False
-        yield through[len(before):], answered
+        yield through[len(before):], answers(message)  # an empty answer teaches nothing
         done = through
 
 
@@ -106,6 +118,35 @@ def end_of_turn_ids(tokenizer, template: ChatTemplate) -> list[int]:
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     ids = [i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special]
     return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
+
+
+# A conversation that uses every part of tool calling, each part marked by a word no other part holds
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "look_up", "description": "Finds a word in the dictionary.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+PROBE = [{"role": "user", "content": "What does the word mean?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "look_up", "arguments": {"word": "zephyr"}}}]},
+         {"role": "tool", "content": "a gentle west wind", "name": "look_up"},
+         {"role": "assistant", "content": "A gentle breeze."}]
+PROBE_PARTS = {"the tool schemas": "Finds a word in the dictionary.", "the tool call": "zephyr",
+               "the tool result": "a gentle west wind"}
+
+
+def check_tools(tokenizer, template: ChatTemplate, source: str, rows: int) -> None:
+    """DataError, in one line, when ``template`` cannot render what the ``rows`` rows with tools need: the
+    schemas (``tools=``), the assistant's ``tool_calls`` and the ``tool`` turns. Rendered once, on a probe."""
+    try:
+        text = render(tokenizer, template, PROBE, tools=PROBE_TOOLS)
+        lost = [part for part, mark in PROBE_PARTS.items() if mark not in text]
+        why = f"its text leaves out {' and '.join(lost)}" if lost else None
+    except Exception as err:  # e.g. Llama 2's "roles must alternate user/assistant"
+        why = f"it raises {type(err).__name__}: {' '.join(str(err).split())}"  # one line
+    if why:
+        raise DataError(f"data '{source}' has {rows} row(s) with tools, but the chat template '{template.name}' "
+                        f"cannot render tool calling ({why}). Pass --chat-template llama3.1 (Llama 3.1's tool "
+                        "calls), or a template (a .jinja file or a tokenizer's) that renders the tools, the "
+                        "assistant's tool_calls and the tool turns.")
 
 
 chat_template = resolve  # as a recipe reads it: templates.chat_template(args.chat_template, tokenizer)

@@ -39,8 +39,8 @@ class Prompt:
     """One prompt to answer: the conversation up to the answer, rendered and tokenised, and the reference."""
 
     example_id: int | None  # the source row (held-out rows), or None (a --sample-prompts file)
-    messages: list[dict]  # up to the last user turn
-    text: str  # rendered with the generation prompt
+    messages: list[dict]  # up to the last answer: a user turn, or a tool's result
+    text: str  # rendered with the generation prompt (and the row's tool schemas)
     input_ids: list[int]
     reference: str | None  # the row's own answer, when it has one
 
@@ -48,30 +48,44 @@ class Prompt:
 def sample_prompts(args, heldout: list[dict], tokenizer, template) -> list[Prompt]:
     """The prompts of this run: every row of ``args.sample_prompts`` (any supported data format), or the first
     ``args.samples`` held-out conversations (``heldout``: :func:`finetune_kit.data.heldout_rows`). Each is
-    cut before its last assistant turn, which becomes the reference. A prompt longer than ``args.max_seq_len``
-    tokens keeps its last ``max_seq_len`` (the end of the conversation and the generation prompt), as ``make eval``
-    does: no sequence longer than the run trained on (measured on an H100: held-out conversations of 17,600 tokens
+    cut before its last assistant turn, which becomes the reference (a tool call: as the template writes it); a
+    row's tool schemas render with it. A prompt longer than ``args.max_seq_len`` tokens keeps its last
+    ``max_seq_len`` (the end of the conversation and the generation prompt), as ``make eval`` does: no sequence
+    longer than the run trained on (measured on an H100: held-out conversations of 17,600 tokens
     after training at 4,096 took the 8B's peak from 36 to 45 GiB)."""
-    from finetune_kit.data import instructions, templates
+    from finetune_kit.data import formats, instructions, templates
 
     if not args.samples:
         return []
     if args.sample_prompts:
         rows = instructions.load_rows(args.sample_prompts, flag="--sample-prompts")
-        conversations = [{"example_id": None, "messages": rows.format.to_messages(row)} for row in rows.rows]
+        conversations = [{"example_id": None, "messages": rows.format.to_messages(row), "tools": formats.tools(row)}
+                         for row in rows.rows]
     else:
         conversations = heldout[: args.samples]
     prompts = []
     for row in conversations:
-        messages, reference = row["messages"], None
+        messages, reference, tools = row["messages"], None, row.get("tools")
         if messages and messages[-1]["role"] == "assistant":
-            messages, reference = messages[:-1], messages[-1]["content"]
-        text = templates.render(tokenizer, template, messages, generation_prompt=True)
+            messages, reference = messages[:-1], _reference(tokenizer, template, messages, tools)
+        text = templates.render(tokenizer, template, messages, generation_prompt=True, tools=tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if limit := getattr(args, "max_seq_len", None):
             ids = ids[-limit:]
         prompts.append(Prompt(row["example_id"], messages, text, ids, reference))
     return prompts
+
+
+def _reference(tokenizer, template, messages: list[dict], tools) -> str:
+    """The last answer of ``messages``: its text, or, for a tool call, the call as the template writes it (what
+    a model that learnt it says), without the template's special tokens."""
+    from finetune_kit.data import templates
+
+    last = messages[-1]
+    if last["content"].strip() or not last.get("tool_calls"):
+        return last["content"]
+    *_, (turn, _) = templates.segments(tokenizer, template, messages, tools)
+    return tokenizer.decode(tokenizer(turn, add_special_tokens=False)["input_ids"], skip_special_tokens=True).strip()
 
 
 def answer(accelerator, model, tokenizer, template, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
@@ -163,7 +177,7 @@ def report(output: Path, prompts: list[Prompt], after: list[str], before: list[s
            losses: tuple[float, float] | None = None) -> list[dict]:
     """Print the prompts with their answers (and the answers before training), then :func:`verdict`, and write
     ``samples.jsonl`` (rank 0); return the rows, for the run record."""
-    rows = [{"example_id": p.example_id, "prompt": p.messages[-1]["content"] if p.messages else "",
+    rows = [{"example_id": p.example_id, "prompt": _last_turn(p.messages),
              "reference": p.reference, "answer": a, **({"before": before[i]} if before else {})}
             for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
     if not rows or not env.is_main_rank():
@@ -181,6 +195,16 @@ def report(output: Path, prompts: list[Prompt], after: list[str], before: list[s
     if line:
         print(line)
     return rows
+
+
+def _last_turn(messages: list[dict]) -> str:
+    """What a prompt ends with, as the sample lines show it: the user's text, or a tool's result, so marked."""
+    if not messages:
+        return ""
+    last = messages[-1]
+    if last["role"] == "tool":
+        return f"(result of {last.get('name') or 'a tool'}) {last['content']}"
+    return last["content"]
 
 
 def form(text: str) -> str:

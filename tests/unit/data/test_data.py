@@ -187,7 +187,7 @@ def test_template_from_a_file_or_another_tokenizer(tmp_path, tok2, tiny_llama3):
 
 
 def test_unknown_template_is_refused_with_the_choices(tok2):
-    with pytest.raises(DataError, match=r"'llama9' is not one of auto, llama2, llama3, plain, not a file"):
+    with pytest.raises(DataError, match=r"'llama9' is not one of auto, llama2, llama3, llama3\.1, plain, not a file"):
         templates.resolve("llama9", tok2)
 
 

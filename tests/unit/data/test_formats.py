@@ -55,7 +55,7 @@ def test_detection_order_and_forcing():
 @pytest.mark.parametrize(("turns", "message"), [
     ("hello", r"'messages' is str, not a list of turns"),
     ([{"role": "user"}], r"turn 1 of 'messages' is not a \{'role', 'content'\} object"),
-    ([{"role": "bot", "content": "x"}], r"turn 1 of 'messages' has role 'bot'; known: assistant, system, user"),
+    ([{"role": "bot", "content": "x"}], r"turn 1 of 'messages' has role 'bot'; known: assistant, system, tool, user"),
     ([{"role": "user", "content": 3}], r"turn 1 of 'messages' has content of type int, not text"),
     ([{"role": "assistant", "content": "x"}], r"the conversation opens with an assistant turn"),
     ([*USER_ASSISTANT, {"role": "system", "content": "x"}], r"a system turn is allowed only first"),

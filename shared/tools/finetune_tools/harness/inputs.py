@@ -24,7 +24,8 @@ CAUSAL, CLASSIFIER = "causal", "classifier"  # a language model (8B, 13B recipes
 # Where a run keeps what it saved, in the order the default model is picked (finetune_kit.training.final_model).
 MODEL_FOLDERS = ("model", "merged", "adapter")
 HELDOUT_FILE = "heldout.jsonl"
-ROW_SHAPES = {CAUSAL: '{"example_id": int, "messages": [{"role": ..., "content": ...}, ...]} (instruction recipes)',
+ROW_SHAPES = {CAUSAL: '{"example_id": int, "messages": [{"role": ..., "content": ...}, ...], "tools": [...] if any} '
+                     '(instruction recipes)',
               CLASSIFIER: '{"example_id": int, "text": str, "label": 0|1, "label_name": str} (70B recipe)'}
 MESSAGES = next(f for f in formats.FIXED if f.name == "messages")
 
@@ -272,6 +273,7 @@ def _row_kind(row) -> str:
     if "messages" in row:
         messages = MESSAGES.to_messages(row)
         formats.check_conversation(messages)
+        formats.tools(row)  # the schemas, where the row has them: a list, as the run wrote them
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError("the conversation has no assistant turn, so no answer to score")
         return CAUSAL

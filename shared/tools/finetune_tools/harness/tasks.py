@@ -119,7 +119,7 @@ def instruction_documents(tokenizer, rows, model_folder: Path, source: Path) -> 
     template = templates.ChatTemplate("the model's", tokenizer.chat_template)
     documents = []
     for number, row in enumerate(rows, 1):
-        context, target = conversation_pair(tokenizer, template, row["messages"])
+        context, target = conversation_pair(tokenizer, template, row["messages"], row.get("tools"))
         if context is None:
             raise DataError(f"'{source}' row {number}: the model's chat template renders the conversation before "
                             "its last answer differently once the answer follows, so the answer's tokens cannot be "
@@ -129,13 +129,15 @@ def instruction_documents(tokenizer, rows, model_folder: Path, source: Path) -> 
     return documents
 
 
-def conversation_pair(tokenizer, template: templates.ChatTemplate, messages: list[dict]) -> tuple[str | None, str]:
+def conversation_pair(tokenizer, template: templates.ChatTemplate, messages: list[dict],
+                      tools: list[dict] | None = None) -> tuple[str | None, str]:
     """(context, target) of a conversation: everything before its last assistant turn with the generation prompt,
     and that turn as the template renders it, then EOS unless the turn already ends with it (Llama 2's ``</s>``).
-    Turns after the last answer are left out. (None, "") when the template cannot be split there."""
+    Turns after the last answer are left out; ``tools``: the row's function schemas, rendered as training did.
+    (None, "") when the template cannot be split there."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    context = templates.render(tokenizer, template, messages[:last], generation_prompt=True)
-    through = templates.render(tokenizer, template, messages[: last + 1])
+    context = templates.render(tokenizer, template, messages[:last], generation_prompt=True, tools=tools)
+    through = templates.render(tokenizer, template, messages[: last + 1], tools=tools)
     if not through.startswith(context):
         return None, ""
     target = through[len(context):]

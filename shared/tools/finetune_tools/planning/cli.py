@@ -151,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     cost = p.add_argument_group("time and cost (with --gpu)")
     cost.add_argument("--tokens", type=float, help="tokens to train on (an epoch of your data)")
     cost.add_argument("--data", help="your data file: its tokens counted with --model's tokenizer (a model folder)")
+    cost.add_argument("--chat-template", default="auto",
+                      help="with --data: the chat template the recipe will render it with (its --chat-template)")
     cost.add_argument("--price", type=float, help="price of one GPU-hour")
     cost.add_argument("--calibration", type=Path, help="results/speed-calibration.json (make plan passes it)")
     args = p.parse_args(argv)
@@ -286,7 +288,8 @@ def count_tokens(args) -> int:
     if not args.model:
         raise UserInputError("--data needs --model (a model folder with its tokenizer) to count the tokens; "
                              "or pass --tokens.")
-    _, counts = tokenize_rows(load_rows(args.data), load_tokenizer(args.model), args.seq_len, cache="none")
+    _, counts = tokenize_rows(load_rows(args.data), load_tokenizer(args.model), args.seq_len, args.chat_template,
+                              cache="none")
     return counts.tokens
 
 
