@@ -303,22 +303,33 @@ train-llama3-70b-qlora: recipe-70b-qlora ## the same as recipe-70b-qlora
 # endpoint, ports METRICS_PORT.. on each of NODES (main node first; the job runs with METRICS_PORT set), and
 # the exporter on each node. Every other GPU node runs its exporter only: MONITOR_SERVICES=dcgm-exporter.
 # The container engine is CONTAINER when set (podman adds compose.podman.yaml: the GPUs through CDI), else docker.
+# Locked by default: Grafana's admin password is GRAFANA_ADMIN_PASSWORD, or one generated once into
+# MONITOR_OUT/grafana-admin-password (owner-only; never printed); viewing needs a login unless GRAFANA_ANONYMOUS=1;
+# Prometheus listens on this host's loopback unless PROMETHEUS_LISTEN says another address (keep port 9090).
 NODES ?= localhost
 GPUS_PER_NODE ?= 8
 DCGM_PORT ?= 9400
 MONITOR_SERVICES ?=
-MONITOR_TARGETS := $(CURDIR)/out/monitoring/targets
+MONITOR_OUT ?= $(CURDIR)/out/monitoring
+GRAFANA_ANONYMOUS ?= 0
+export GRAFANA_ADMIN_PASSWORD GRAFANA_ANONYMOUS PROMETHEUS_LISTEN GRAFANA_PORT
 MONITOR_ENGINE = $(or $(CONTAINER),docker)
 MONITOR_COMPOSE = $(MONITOR_ENGINE) compose -f docker/monitoring/compose.yaml \
   $(if $(filter podman,$(notdir $(MONITOR_ENGINE))),-f docker/monitoring/compose.podman.yaml)
 monitor: ## live dashboards of a job: NODES="node0 node1" GPUS_PER_NODE=4 [METRICS_PORT=9450] (Grafana on :3000)
+	@case "$(GRAFANA_ANONYMOUS)" in 0|1) ;; *) echo "error: GRAFANA_ANONYMOUS=$(GRAFANA_ANONYMOUS): 1 lets anyone" \
+	  "who reaches Grafana's port view the dashboards without a login, 0 (the default) asks for one." >&2; exit 2;; esac
 	bash docker/monitoring/targets.sh NODES="$(NODES)" GPUS_PER_NODE=$(GPUS_PER_NODE) \
-	  METRICS_PORT=$(or $(METRICS_PORT),9450) DCGM_PORT=$(DCGM_PORT) TARGETS_DIR="$(MONITOR_TARGETS)"
-	TARGETS_DIR="$(MONITOR_TARGETS)" DCGM_PORT=$(DCGM_PORT) $(MONITOR_COMPOSE) up -d $(MONITOR_SERVICES)
-	@$(if $(MONITOR_SERVICES),true,echo "Grafana: http://$$(hostname):$${GRAFANA_PORT:-3000} (dashboard 'Fine-tuning: live training'), Prometheus: port 9090")
+	  METRICS_PORT=$(or $(METRICS_PORT),9450) DCGM_PORT=$(DCGM_PORT) TARGETS_DIR="$(MONITOR_OUT)/targets"
+	@bash docker/monitoring/grafana-password.sh "$(MONITOR_OUT)"
+	GRAFANA_ADMIN_PASSWORD="$${GRAFANA_ADMIN_PASSWORD:-$$(cat "$(MONITOR_OUT)/grafana-admin-password")}" \
+	  TARGETS_DIR="$(MONITOR_OUT)/targets" DCGM_PORT=$(DCGM_PORT) $(MONITOR_COMPOSE) up -d $(MONITOR_SERVICES)
+	@$(if $(MONITOR_SERVICES),true,echo "Grafana: http://$$(hostname):$${GRAFANA_PORT:-3000} (dashboard 'Fine-tuning:" \
+	  "live training'), $(if $(filter 1,$(GRAFANA_ANONYMOUS)),open to anyone who reaches the port,a login to view);" \
+	  "Prometheus: $${PROMETHEUS_LISTEN:-127.0.0.1:9090} (no login)")
 
 monitor-down: ## stop the monitoring containers (the recorded metrics stay in their volumes)
-	$(MONITOR_COMPOSE) down
+	GRAFANA_ADMIN_PASSWORD=unused-when-stopping $(MONITOR_COMPOSE) down
 
 clean: ## remove .nox, build and out
 	rm -rf .nox build out

@@ -129,6 +129,7 @@ def test_the_endpoints_close_with_the_run(live_run):
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
     assert "metrics endpoint: http://" in proc.stdout  # announced once per node
+    assert "(one port per local rank), listening on 127.0.0.1" in proc.stdout  # FINETUNE_METRICS_ADDR's address
 
 
 def test_tensorboard_gets_the_metrics_jsonl_figures(live_run):

@@ -330,7 +330,8 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.mark.quick
 def test_the_run_answers_held_out_prompts_before_and_after_training(run, run_info):
     """--samples 4 (the default) of the held-out rows, answered by the model as loaded (--sample-before) and by
-    the final model; in samples.jsonl, the run record and the log."""
+    the final model; in samples.jsonl and the log, and in figures alone in the run record: the record is what a
+    run publishes, and no prompt, reference, answer or held-out row is in it."""
     heldout = read_jsonl(run / "heldout.jsonl")
     assert [row["example_id"] for row in heldout] == run_info["eval_example_ids"]
     samples = read_jsonl(run / "samples.jsonl")
@@ -340,7 +341,13 @@ def test_the_run_answers_held_out_prompts_before_and_after_training(run, run_inf
         assert sample["reference"] == row["messages"][-1]["content"]
         assert sample["answer"] and sample["before"]
     assert any(s["answer"] != s["before"] for s in samples)  # training changed what it says
-    assert json.loads((run / "run_record.json").read_text())["samples"] == samples
+    from finetune_kit.training.samples import figures
+
+    record = (run / "run_record.json").read_text()
+    assert json.loads(record)["samples"] == figures(samples) and figures(samples)["scored"] == 4
+    texts = {t for s in samples for t in (s["prompt"], s["reference"], s["answer"], s["before"]) if len(t) > 8}
+    texts |= {m["content"] for row in heldout for m in row["messages"] if len(m["content"]) > 8}
+    assert texts and not [t for t in texts if json.dumps(t)[1:-1] in record]
 
 
 @pytest.mark.quick

@@ -5,7 +5,12 @@ METRICS_PORT=9450``) turns it on for every recipe: each process serves
 ``http://<host>:<9450 + local rank>/metrics``, so a node with 8 GPUs answers on 9450-9457 and
 every node uses the same ports. One endpoint per rank, not one per node: a straggler is a rank,
 and aggregating in the trainer would add a collective to every step. ``FINETUNE_METRICS_ADDR``
-picks the interface (default all, so the other node's Prometheus can scrape it).
+picks the address it listens on: every interface by default, since Prometheus on another node must
+reach it; ``127.0.0.1`` when Prometheus runs on the node itself; or one of the node's own addresses
+(the cluster network's). Another address is refused before anything loads (:func:`requested_addr`).
+
+The series carry numbers and the labels :data:`LABELS` only (the recipe's name, rank numbers and the
+host name): no text of the training data reaches Prometheus.
 
 What a rank exports (names: :data:`SERIES`; every series carries the labels :data:`LABELS`):
 
@@ -81,6 +86,44 @@ SERIES = STEP_SERIES + RANK_SERIES + NVML_SERIES
 def exported_names() -> frozenset[str]:
     """Every metric name a trainer's endpoint can expose (what a dashboard may query)."""
     return frozenset(s.exposed for s in SERIES)
+
+
+def requested_addr() -> str:
+    """The address the endpoint listens on: ``FINETUNE_METRICS_ADDR``, or every interface (``0.0.0.0``). Raises a
+    ConfigError, in one line, for a value that is not an IP address of this host (a loopback address, one of its
+    interfaces', or ``0.0.0.0`` / ``::`` for all), before anything loads."""
+    import ipaddress
+    import socket
+
+    raw = os.environ.get(ENV_ADDR, "").strip()
+    if not raw:
+        return "0.0.0.0"
+    own = _host_addresses()
+    try:
+        ip = ipaddress.ip_address(raw.strip("[]"))
+    except ValueError:
+        ip = None
+    if ip is not None and (ip.is_unspecified or ip.is_loopback or str(ip) in own):
+        return str(ip)
+    what = "not an IP address" if ip is None else "not an address of this host"
+    raise ConfigError(f"{ENV_ADDR}={raw!r}: {what}, so no metrics endpoint can listen there. This host "
+                      f"({socket.gethostname()}) has {', '.join(sorted(own, key=_by_kind))}. Set it to one of them "
+                      "(127.0.0.1: Prometheus on this node only), or unset it to listen on every interface, which "
+                      "Prometheus on another node needs.")
+
+
+def _host_addresses() -> set[str]:
+    """The IPv4 and IPv6 addresses of this host's interfaces (IPv6 link-local ones without their zone)."""
+    import socket
+
+    import psutil
+
+    return {a.address.split("%")[0] for addresses in psutil.net_if_addrs().values() for a in addresses
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def _by_kind(address: str) -> tuple[bool, str]:
+    return ":" in address, address  # IPv4 first
 
 
 def requested_port() -> int | None:
@@ -170,8 +213,7 @@ def open_endpoint(recipe: str) -> MetricsEndpoint | None:
     port = base + launch.local_rank
     try:
         endpoint = MetricsEndpoint(port, recipe=recipe, rank=launch.rank, local_rank=launch.local_rank,
-                                   node=launch.machine_rank, host=launch.host,
-                                   addr=os.environ.get(ENV_ADDR, "0.0.0.0"))
+                                   node=launch.machine_rank, host=launch.host, addr=requested_addr())
     except OSError as exc:
         print(f"metrics endpoint: rank {launch.rank} could not listen on port {port} ({ENV_PORT}={base} + local "
               f"rank {launch.local_rank}): {exc.strerror or exc}. Training goes on without this rank's endpoint; "
@@ -180,5 +222,5 @@ def open_endpoint(recipe: str) -> MetricsEndpoint | None:
         return None
     if launch.local_rank == 0:
         print(f"metrics endpoint: http://{launch.host}:{base}..{base + launch.local_world_size - 1}/metrics "
-              f"(one port per local rank)", flush=True)
+              f"(one port per local rank), listening on {endpoint.server.server_address[0]}", flush=True)
     return endpoint

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune_kit.data.counts import DataCounts
 from finetune_kit.metering.flops import device_name
@@ -99,6 +99,18 @@ class Measured(_Strict):
     predicted_gpu_GiB: float | None = None  # the memory planner's prediction, when run
 
 
+class SampleFigures(_Strict):
+    """The sample answers in figures (training.samples.verdict's). Their text (prompts, references, answers) stays
+    in the run folder's samples.jsonl: a record is what gets published, and carries no text of the data."""
+
+    prompts: int  # answered at the end
+    scored: int | None = None  # with a reference answer
+    form_after: int | None = None  # answers in their reference's form (training.samples.form), after training
+    exact_after: int | None = None  # word for word
+    form_before: int | None = None  # --sample-before: the model as loaded
+    exact_before: int | None = None
+
+
 class RunRecord(_Strict):
     schema_: str = Field(SCHEMA, alias="schema")
     recipe: str
@@ -112,9 +124,15 @@ class RunRecord(_Strict):
     training: Training
     measured: Measured
     data: DataCounts | None = None  # instruction recipes: what tokenisation kept, truncated, dropped
-    samples: list[dict] | None = None  # generative recipes: held-out prompts and the final model's answers
+    samples: SampleFigures | None = None  # generative recipes: how the final model answered held-out prompts
     evaluation: dict | None = None  # `make eval`'s summary (finetune_tools.harness): task -> metric -> value
     notes: str = ""
+
+    @field_validator("samples", mode="before")
+    @classmethod
+    def _figures_of_rows(cls, value):
+        """A record written before kept the sample rows themselves: read back as their count alone."""
+        return {"prompts": len(value)} if isinstance(value, list) else value
 
     def write(self, path: Path) -> Path:
         path = Path(path)

@@ -223,7 +223,8 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         cuda_ops.check_ops(ds_config, quantized=method == "qlora")
         nvme.check_paths(ds_config, str(ds_path))
         nvme.check_param_buffers(ds_config, shape, env.world_size(), str(ds_path))
-    prometheus.requested_port()
+    if prometheus.requested_port() is not None:
+        prometheus.requested_addr()  # the endpoint's address: one of this host's
     trackers.check_trackers(*report_to)
     outputs.check_writable(output)
     if env.is_main_rank():  # one run per output folder: refused before anything in it is touched

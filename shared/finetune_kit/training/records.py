@@ -94,7 +94,8 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     planned; ``evals``: every validation (:func:`validation`); ``saved_to``: what the run saved (model or
     adapter); ``batch``: micro_batch_size, grad_accum, gradient_checkpointing, recompute_every, compiled
     (:func:`batch_shape`); ``details``: recipe-specific facts for run_info.json; ``training``: more
-    run-record training fields (e.g. ``packing``); ``samples``: the sample answers (training.samples.report).
+    run-record training fields (e.g. ``packing``); ``samples``: the sample answers (training.samples.report), of
+    which the record keeps the figures alone (their text stays in samples.jsonl).
     Rank 0 also writes ``heldout.jsonl`` (the held-out rows) and the model card of what was saved."""
     from accelerate.utils import gather_object
 
@@ -102,6 +103,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     from finetune_kit.metering import peak_memory
     from finetune_kit.metering import run_record as record
     from finetune_kit.training.checkpointing.partitions import rank_report
+    from finetune_kit.training.samples import figures as sample_figures
 
     acc, rates, seen_ids = accelerator, meter.rates, meter.seen_ids
     meter.close()
@@ -124,7 +126,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
                       if chunks else "none",
                       "offload_activations": bool(getattr(args, "offload_activations", False)), **(training or {})})
         run_record.data = split.counts
-        run_record.samples = samples or None
+        run_record.samples = record.SampleFigures(**sample_figures(samples)) if samples else None
         run_record.write(checked.output / "run_record.json")
         if split.heldout:
             outputs.write_text_whole(checked.output / "heldout.jsonl", jsonl(split.heldout))

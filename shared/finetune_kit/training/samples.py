@@ -176,7 +176,7 @@ def _timed(accelerator, model, tokenizer, template, prompts, max_new_tokens: int
 def report(output: Path, prompts: list[Prompt], after: list[str], before: list[str] | None = None,
            losses: tuple[float, float] | None = None) -> list[dict]:
     """Print the prompts with their answers (and the answers before training), then :func:`verdict`, and write
-    ``samples.jsonl`` (rank 0); return the rows, for the run record."""
+    ``samples.jsonl`` (rank 0); return the rows (the run record keeps their :func:`figures`)."""
     rows = [{"example_id": p.example_id, "prompt": _last_turn(p.messages),
              "reference": p.reference, "answer": a, **({"before": before[i]} if before else {})}
             for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
@@ -214,24 +214,35 @@ def form(text: str) -> str:
     return " ".join(w if i == 0 or not w[:1].isupper() else "_" for i, w in enumerate(text.split(" "))).lower()
 
 
-def verdict(rows: list[dict], losses: tuple[float, float] | None = None) -> str | None:
-    """One line: how many answers take their reference's form (:func:`form`) and how many match it word for word,
-    after training and (rows with ``before``) before; the validation loss before -> after. None without
-    references (a --sample-prompts file without answers)."""
+def figures(rows: list[dict]) -> dict:
+    """The sample answers in figures: prompts, those with a reference (scored), and how many answers take their
+    reference's form (:func:`form`) and match it word for word, after training and (rows with ``before``)
+    before. What the run record keeps of them (``RunRecord.samples``); the texts stay in samples.jsonl."""
     scored = [r for r in rows if r.get("reference")]
-    if not scored:
-        return None
+    out = {"prompts": len(rows), "scored": len(scored)}
 
     def counts(key: str) -> tuple[int, int]:
         same = [" ".join(r[key].split()).lower() == " ".join(r["reference"].split()).lower() for r in scored]
         return sum(form(r[key]) == form(r["reference"]) for r in scored), sum(same)
 
-    shape, exact = counts("answer")
-    line = (f"verdict: {shape} of {len(scored)} held-out answers take the reference's form, {exact} word for word "
-            "(after training)")
-    if all("before" in r for r in scored):
-        before_shape, before_exact = counts("before")
-        line += f"; before training {before_shape} and {before_exact}"
+    if scored:
+        out["form_after"], out["exact_after"] = counts("answer")
+        if all("before" in r for r in scored):
+            out["form_before"], out["exact_before"] = counts("before")
+    return out
+
+
+def verdict(rows: list[dict], losses: tuple[float, float] | None = None) -> str | None:
+    """One line: how many answers take their reference's form (:func:`form`) and how many match it word for word,
+    after training and (rows with ``before``) before; the validation loss before -> after. None without
+    references (a --sample-prompts file without answers)."""
+    got = figures(rows)
+    if not got["scored"]:
+        return None
+    line = (f"verdict: {got['form_after']} of {got['scored']} held-out answers take the reference's form, "
+            f"{got['exact_after']} word for word (after training)")
+    if "form_before" in got:
+        line += f"; before training {got['form_before']} and {got['exact_before']}"
     if losses:
         line += f"; validation loss {losses[0]:.3f} -> {losses[1]:.3f} nats/token"
     return line

@@ -396,7 +396,107 @@ def test_ports_agree_between_compose_prometheus_and_grafana():
     datasources = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     (source,) = datasources["datasources"]
     assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus"
-    assert source["url"] == f"http://localhost:{listen.rsplit(':', 1)[1]}"  # host network: the same host
+    # host network: Grafana reaches Prometheus on this host's loopback, where it listens by default
+    assert f"http://{interpolation_default(listen.split('=', 1)[1])}" == source["url"] == "http://127.0.0.1:9090"
     interval = yaml.safe_load(PROMETHEUS_YML.read_text())["global"]["scrape_interval"]
     assert source["jsonData"]["timeInterval"] == interval  # Grafana's $__rate_interval spans 4 scrapes
     assert dcgm_port() == 9400  # the exporter's default, and the example targets' (checked above)
+
+
+# --- locked by default: no known credential, nothing open that need not be ---------------------------------
+
+
+def lock_problems(spec: dict) -> list[str]:
+    """What in a compose file would start the stack with a credential anyone knows, or listen wider than it must."""
+    problems = []
+    grafana = {k: str(v) for k, v in spec["services"]["grafana"].get("environment", {}).items()}
+    password = grafana.get("GF_SECURITY_ADMIN_PASSWORD", "")
+    if not re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password):  # required: no default, no literal
+        problems.append(f"Grafana's admin password is {password!r}, not a required ${{GRAFANA_ADMIN_PASSWORD:?...}}")
+    if re.search(r"(?i)admin", interpolation_default(re.sub(r"\$\{\w+:\?[^}]*\}", "", password))):
+        problems.append("Grafana's admin password is admin, or defaults to it")
+    if interpolation_default(grafana.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() not in ("0", "false"):
+        problems.append("anonymous viewing is on unless asked for")
+    command = spec["services"]["prometheus"]["command"]
+    listen = interpolation_default(next(a for a in command if a.startswith("--web.listen-address=")).split("=", 1)[1])
+    if not listen.startswith(("127.0.0.1:", "[::1]:")):
+        problems.append(f"Prometheus listens on {listen!r} by default, not on loopback")
+    return problems
+
+
+def test_the_stack_starts_with_no_known_password_and_prometheus_on_loopback():
+    assert lock_problems(compose()) == []
+
+
+@pytest.mark.parametrize(("change", "caught"), [
+    (lambda g, p: g.update(GF_SECURITY_ADMIN_PASSWORD="${GRAFANA_ADMIN_PASSWORD:-admin}"), "admin password"),
+    (lambda g, p: g.update(GF_SECURITY_ADMIN_PASSWORD="admin"), "admin password"),
+    (lambda g, p: g.update(GF_AUTH_ANONYMOUS_ENABLED="true"), "anonymous viewing"),
+    (lambda g, p: p.__setitem__(p.index(next(a for a in p if a.startswith("--web.listen-address="))),
+                                "--web.listen-address=:9090"), "not on loopback"),
+])
+def test_the_lock_check_catches_a_default_admin_password_and_an_open_prometheus(change, caught):
+    """Negative controls: the compose file as it was (admin by default, anonymous viewers, Prometheus on every
+    interface), one change at a time."""
+    spec = compose()
+    change(spec["services"]["grafana"]["environment"], spec["services"]["prometheus"]["command"])
+    assert any(caught in problem for problem in lock_problems(spec)), lock_problems(spec)
+
+
+def test_the_makefile_gives_no_default_password():
+    makefile = (REPO / "Makefile").read_text()
+    # a make variable with a value, a shell default other than the generated file's, or admin itself
+    defaults = re.compile(r"^(export +)?GRAFANA_ADMIN_PASSWORD *[:?+]?=|GRAFANA_ADMIN_PASSWORD:-(?!\$\$\(cat )|"
+                          r"PASSWORD=admin\b", re.MULTILINE)
+    assert not defaults.search(makefile)
+    assert defaults.search(makefile + "GRAFANA_ADMIN_PASSWORD ?= admin\n")  # the control: a default is caught
+
+
+def make_monitor(tmp_path: Path, *args: str, env: dict | None = None, target: str = "monitor"):
+    """``make monitor`` with a stand-in for the container engine that records its arguments and the environment
+    compose would read; the monitoring folder under ``tmp_path``."""
+    import os
+
+    engine = tmp_path / "bin/docker"
+    if not engine.exists():
+        engine.parent.mkdir(parents=True)
+        engine.write_text('#!/usr/bin/env bash\nprintf "%s|%s|%s\\n" "$*" "$GRAFANA_ADMIN_PASSWORD" '
+                          '"$GRAFANA_ANONYMOUS" >> "$ENGINE_LOG"\n')
+        engine.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFANA_", "PROMETHEUS_"))} | (env or {})
+    proc = subprocess.run(["make", "--no-print-directory", target, f"CONTAINER={engine}",
+                           f"MONITOR_OUT={tmp_path / 'monitoring'}", "NODES=localhost", "GPUS_PER_NODE=2", *args],
+                          cwd=REPO, env=env | {"ENGINE_LOG": str(tmp_path / "engine.log")}, text=True,
+                          capture_output=True, timeout=60)
+    calls = (tmp_path / "engine.log").read_text().splitlines() if (tmp_path / "engine.log").exists() else []
+    return proc, [dict(zip(("args", "password", "anonymous"), call.split("|"), strict=True)) for call in calls]
+
+
+def test_make_monitor_generates_a_password_once_keeps_it_to_the_user_and_never_prints_it(tmp_path):
+    proc, calls = make_monitor(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    kept = tmp_path / "monitoring/grafana-admin-password"
+    password = kept.read_text()
+    assert re.fullmatch(r"[0-9a-f]{48}", password)  # 192 random bits
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert calls == [{"args": "compose -f docker/monitoring/compose.yaml up -d", "password": password,
+                      "anonymous": "0"}]
+    assert password not in proc.stdout + proc.stderr and str(kept) in proc.stdout
+    assert "a login to view" in proc.stdout and "Prometheus: 127.0.0.1:9090" in proc.stdout
+    again, calls = make_monitor(tmp_path)  # a later start reuses it
+    assert again.returncode == 0 and calls[-1]["password"] == password == kept.read_text()
+    assert password not in again.stdout + again.stderr
+
+
+def test_make_monitor_takes_your_password_and_anonymous_viewing_when_asked(tmp_path):
+    proc, calls = make_monitor(tmp_path, "GRAFANA_ANONYMOUS=1", env={"GRAFANA_ADMIN_PASSWORD": "correct-horse"})
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [{"args": "compose -f docker/monitoring/compose.yaml up -d", "password": "correct-horse",
+                      "anonymous": "1"}]
+    assert not (tmp_path / "monitoring/grafana-admin-password").exists()  # nothing generated
+    assert "correct-horse" not in proc.stdout + proc.stderr and "open to anyone who reaches the port" in proc.stdout
+    bad, calls_after = make_monitor(tmp_path, "GRAFANA_ANONYMOUS=yes")
+    assert bad.returncode != 0 and calls_after == calls  # refused before anything starts
+    assert "GRAFANA_ANONYMOUS=yes: 1 lets anyone who reaches Grafana's port view the dashboards" in bad.stderr
+    down, calls = make_monitor(tmp_path, target="monitor-down")
+    assert down.returncode == 0 and calls[-1]["args"] == "compose -f docker/monitoring/compose.yaml down"

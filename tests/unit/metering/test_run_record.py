@@ -125,3 +125,28 @@ def test_software_names_libraries_that_differ_from_the_lock(monkeypatch, tmp_pat
     monkeypatch.setattr(record, "pinned_versions", lambda: {**pins, "torch": "2.11.0"})
     differs = record.software().differs_from_pins
     assert list(differs) == ["torch"] and differs["torch"].endswith("(pinned 2.11.0)")
+
+
+def test_the_record_keeps_the_sample_answers_as_figures_and_an_old_one_loses_their_text(monkeypatch, tmp_path):
+    """A record is what a run publishes (results/runs/), so it holds no text of the data: the sample answers are
+    counted there, their text stays in samples.jsonl. A record written before, with the rows themselves, reads back
+    as their count, and written again it holds none of their text."""
+    from finetune_kit.training.samples import figures
+
+    rows = [{"example_id": 3, "prompt": "What is the capital of Peru?", "reference": "The capital of Peru is Lima.",
+             "answer": "The capital of Peru is Quito.", "before": "zzzz"},
+            {"example_id": 8, "prompt": "Spell the word 'river' backwards.",
+             "reference": "'river' backwards is 'revir'.", "answer": "'river' backwards is 'revir'.",
+             "before": "river"}]
+    rec = a_record(monkeypatch, tmp_path)
+    rec.samples = record.SampleFigures(**figures(rows))
+    assert rec.samples.model_dump() == {"prompts": 2, "scored": 2, "form_after": 2, "exact_after": 1,
+                                        "form_before": 0, "exact_before": 0}
+    old = json.loads(rec.write(tmp_path / "new.json").read_text()) | {"samples": rows}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    texts = [t for row in rows for k, t in row.items() if k != "example_id"]
+    assert all(t in (tmp_path / "old.json").read_text() for t in texts)  # the control: the old layout holds them
+    read = record.RunRecord.read(tmp_path / "old.json")
+    assert read.samples == record.SampleFigures(prompts=2)
+    written = read.write(tmp_path / "again.json").read_text()
+    assert not [t for t in texts if t in written]
