@@ -591,7 +591,7 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
 
     from finetune_kit.data import templates
     from finetune_kit.metering.run_record import RunRecord
-    from finetune_tools.harness.tasks import instruction_documents
+    from finetune_tools.harness.tasks import conversation_pair
 
     parquet = tmp_path / "prompt_completion.parquet"
     pq.write_table(pa.Table.from_pylist([json.loads(line) for line in
@@ -622,12 +622,15 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
     # the sample answers: held-out prompts cut before their last answer, most of them after a tool's result
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and any(row["prompt"].startswith("(result of ") for row in samples), samples
-    # make eval's heldout task: the context runs to the tool's result and the assistant's header
-    documents = instruction_documents(tokenizer, heldout, run / "model", run / "heldout.jsonl")
-    after_results = [d for d, row in zip(documents, heldout, strict=True) if row["messages"][-2]["role"] == "tool"]
+    # make eval's heldout task (its documents, without importing lm-eval here, which sets an environment variable
+    # the warm launches after this test would differ in): the context runs to the tool's result and the header
+    template = templates.ChatTemplate("the model's", tokenizer.chat_template)
+    after_results = [dict(zip(("context", "target"), conversation_pair(tokenizer, template, row["messages"],
+                                                                        row.get("tools")), strict=True))
+                     for row in heldout if row["messages"][-2]["role"] == "tool"]
     assert after_results and all(re.search(r"<\|start_header_id\|>ipython<\|end_header_id\|>\n\n[^<]*<\|eot_id\|>"
                                            r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n$", d["context"])
-                                 for d in after_results)
+                                 and d["target"].endswith("<|eot_id|><|end_of_text|>") for d in after_results)
 
 
 # ---- one model, however the batch is split ----
