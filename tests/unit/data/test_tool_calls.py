@@ -138,17 +138,17 @@ def test_the_rendered_text_and_the_labelled_spans_are_exact(tok3):
 def test_the_label_check_catches_a_tool_result_that_takes_loss(tok3, tmp_path):
     """Negative control: a template that writes each tool result inside the assistant's next turn (as
     "Result: ...") renders and splits fine, but the result would be learnt; the check above says so."""
+    result_turn = ("{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] | trim "
+                   "+ '<|eot_id|>' }}")
+    plain_turn = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+                  "+ '<|eot_id|>' }}")
+    results_in_answers = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+                          "{%- if not loop.first and loop.previtem['role'] == 'tool' %}"
+                          "{{- 'Result: ' + loop.previtem['content'] + '\\n' }}{%- endif %}"
+                          "{{- message['content'] | trim + '<|eot_id|>' }}")
     source = templates.SHIPPED["llama3.1"].read_text()
-    source = source.replace(
-        "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}", "")
-    source = source.replace(
-        "{%- else %}\n        {{- '<|start_header_id|>' + message['role']",
-        "{%- else %}\n        {%- set before = loop.previtem if not loop.first else none %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-        "{%- if before and before['role'] == 'tool' %}{{- 'Result: ' + before['content'] + '\\n' }}{%- endif %}"
-        "{{- message['content'] | trim + '<|eot_id|>' }}{#")
-    source = source.replace("| trim + '<|eot_id|>' }}\n    {%- endif %}\n{%- endfor %}",
-                            "| trim + '<|eot_id|>' }}#}\n    {%- endif %}\n{%- endfor %}")
+    assert result_turn in source and plain_turn in source
+    source = source.replace(result_turn, "").replace(plain_turn, results_in_answers)
     (tmp_path / "results_in_answers.jinja").write_text(source)
     template = templates.resolve(str(tmp_path / "results_in_answers.jinja"), tok3)
     example, _ = instructions.tokenize_conversation(tok3, template, convert(OPENAI), 512, formats.tools(OPENAI))
