@@ -34,6 +34,13 @@ def written_whole(out: Path, writer: bool = True):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def jsonl(rows: list[dict]) -> str:
+    """``rows`` as JSON lines (UTF-8 text kept as is)."""
+    import json
+
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
 def write_text_whole(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` through ``<path>.partial`` and a rename: a reader finds the old file or the
     new one, never half of it."""

@@ -129,7 +129,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
         run_record.samples = record.SampleFigures(**sample_figures(samples)) if samples else None
         run_record.write(checked.output / "run_record.json")
         if split.heldout:
-            outputs.write_text_whole(checked.output / "heldout.jsonl", jsonl(split.heldout))
+            outputs.write_text_whole(checked.output / "heldout.jsonl", outputs.jsonl(split.heldout))
         record.RunInfo(
             recipe=checked.recipe, model=args.model, devices=acc.num_processes, nodes=env.num_nodes(),
             engine=checked.engine, zero_stage=checked.zero_stage,
@@ -156,13 +156,6 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
     # down its gloo connections while another still writes can die at exit with SIGABRT.
     acc.wait_for_everyone()
     acc.end_training()
-
-
-def jsonl(rows: list[dict]) -> str:
-    """``rows`` as JSON lines (UTF-8 text kept as is)."""
-    import json
-
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def batch_shape(args) -> dict:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from finetune_kit import outputs
 from finetune_kit.launch import env
-from finetune_kit.training.records import jsonl
 
 PROMPT_CHARS = 70  # of a prompt or answer, on the printed side-by-side lines
 
@@ -182,7 +181,7 @@ def report(output: Path, prompts: list[Prompt], after: list[str], before: list[s
             for i, (p, a) in enumerate(zip(prompts, after, strict=True))]
     if not rows or not env.is_main_rank():
         return rows
-    outputs.write_text_whole(Path(output) / "samples.jsonl", jsonl(rows))
+    outputs.write_text_whole(Path(output) / "samples.jsonl", outputs.jsonl(rows))
     print(f"\nsample answers ({len(rows)}, greedy; {Path(output) / 'samples.jsonl'}):")
     for row in rows:
         print(f"  prompt:    {_short(row['prompt'])}")
