@@ -16,6 +16,7 @@ Regenerate the golden losses after an intended numerics change with
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -267,8 +268,6 @@ MERGED_LOGITS_ATOL = 1e-2  # measured 2.9e-3 (bf16 rounding of W + BA); LoRA upd
 def assert_merged_classifies_like_base_and_adapter(output: Path, base: Path, merged) -> None:
     """merged/ predicts what the 16-bit base with the adapter on top predicts, on the held-out reviews
     (heldout.jsonl), and its card and the adapter's say what each folder is."""
-    import json
-
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -394,7 +393,7 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     def args_of(ranks: int, micro: int, accum: int) -> tuple[list[str], Path]:
         output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
         return [*sizes(tiny_llama3), *split_args(ranks, micro, accum), "--output", str(output), "--max-steps", "4",
-                "--save-every", "0"], output
+                "--save-every", "0", *LEVERS_AUTO.get((ranks, micro, accum), ())], output
 
     def one_rank(args: list[str], port: tuple = ()) -> list[str]:
         return accelerate_command(*args, config=MAIN, nproc=1, launcher_args=("--num_machines", "1", *port))
@@ -421,12 +420,22 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     return start
 
 
+# the two-node 2 x 2 x 2 ranked for two H100s on this CPU: the split and checkpointing --levers auto picks
+LEVERS_AUTO = {(2, 2, 2): ("--levers", "auto", "--levers-gpu", "h100")}
+
+
 def test_the_same_reviews_split_four_ways_train_one_adapter(split_run):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): each review's loss over
     the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (finetune_kit.losses'
-    unit tests show a short micro-batch weighing no more than a full one, which these full ones cannot)."""
+    unit tests show a short micro-batch weighing no more than a full one, which these full ones cannot). The
+    2 x 2 x 2 runs with --levers auto, which keeps the reviews per step and changes how they are split."""
     split_run.ahead(SPLITS)
     runs = {split: split_run(*split) for split in SPLITS}
+    for split in LEVERS_AUTO:
+        record = json.loads((runs[split] / "run_record.json").read_text())["training"]
+        assert record["levers"].startswith("levers auto: ") and "the global batch kept" in record["levers"]
+        assert record["micro_batch_size"] * record["grad_accum"] == 4
+        assert (record["micro_batch_size"], record["gradient_checkpointing"]) != (2, True)
     # the two-class head's bf16 logits round its loss by about 1e-3 (see the golden test): measured here within
     # 4.2e-4 and the gradient norms within 2.3e-3, so 5e-3 and 1e-2
     assert_one_model_for_every_split(runs, None, file="adapter/adapter_model.safetensors",

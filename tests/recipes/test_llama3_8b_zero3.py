@@ -695,16 +695,32 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
     return start
 
 
+LEVERS_AUTO = ("--levers", "auto", "--levers-gpu", "h100")  # ranked for H100s on this CPU
+
+
+def assert_levers_auto_chose(output: Path, given: tuple[int, int]) -> None:
+    """The run of ``given`` (micro-batch, accumulation) with --levers auto recorded the one line it chose and kept
+    the sequences per step: the tiny model fits an H100 with neither checkpointing nor that split."""
+    record = json.loads((output / "run_record.json").read_text())["training"]
+    assert record["levers"].startswith("levers auto: ") and "the global batch kept" in record["levers"]
+    assert record["micro_batch_size"] * record["grad_accum"] == given[0] * given[1]
+    assert (record["micro_batch_size"], record["gradient_checkpointing"]) != (given[0], True)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_the_same_data_split_four_ways_trains_one_model(packed, split_run, tiny_llama3):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): the loss of each step is
     the mean over its labelled tokens on all ranks, so every split logs the same losses and saves the same model.
     Packed rows, whose tokens per micro-batch differ from rank to rank and from one accumulation step to the next:
-    1 x 8 x 1 against 2 x 2 x 2, which splits across ranks and accumulation at once (the padded rows run all four)."""
+    1 x 8 x 1 against 2 x 2 x 2, which splits across ranks and accumulation at once (the padded rows run all four).
+    The padded 2 x 2 x 2 is launched with --levers auto: the split and checkpointing it picks train the same model."""
     splits = PACKED_SPLITS if packed else SPLITS
     split_run.ahead(splits, *(["--pack"] if packed else []))
-    runs = {split: split_run(*split, *(["--pack"] if packed else [])) for split in splits}
+    auto = {} if packed else {(2, 2, 2): LEVERS_AUTO}
+    runs = {split: split_run(*split, *(["--pack"] if packed else []), *auto.get(split, ())) for split in splits}
     assert_one_model_for_every_split(runs, tiny_llama3)
+    for split in auto:
+        assert_levers_auto_chose(runs[split], split[1:])
 
 
 def test_fsdp2_trains_one_model_however_the_batch_is_split(split_run, tiny_llama3):

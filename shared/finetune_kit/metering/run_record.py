@@ -69,6 +69,7 @@ class Training(_Strict):
     gradient_checkpointing: bool
     recompute_every: int = 1  # every N-th decoder layer checkpointed (1: all), when gradient_checkpointing
     compiled: bool = False  # decoder layers through torch.compile
+    levers: str = ""  # --levers auto: the setting it chose, in one line, with its predicted memory and speed
     packing: bool = False
     loss_chunks: int = 0  # the LM loss computed this many token chunks at a time (0: the whole micro-batch)
     loss_kernel: str = "none"  # what computed it: "chunked" (plain torch) | "liger" (fused, CUDA) | "none"

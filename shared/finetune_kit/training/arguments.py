@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from finetune_kit.data import formats, templates
 from finetune_kit.metering import trackers
+from finetune_kit.planning.hardware import GPUS
 
 
 def flag(default, help: str, **argparse):
@@ -113,6 +114,13 @@ class LoopArguments:
                                               "keep them all, faster, much more memory)")
     recompute_every: int = flag(1, "recompute every N-th decoder layer (1: all; 2: half the layers keep their "
                                     "activations: less recompute, more memory)")
+    levers: str = flag("explicit", "auto: before launch, set the micro-batch (keeping the global batch), "
+                                   "checkpointing, loss kernel and compile to the fastest that fits this launch's GPUs "
+                                   "with a tenth of their memory free, printed in one line and kept in the run record "
+                                   "(the ranking of make plan BEST=1); explicit: the flags as given",
+                       choices=("explicit", "auto"))
+    levers_gpu: str = flag(None, "with --levers auto: the GPU profile to rank for instead of this machine's GPU",
+                           choices=tuple(GPUS))
     compile: bool = flag(False, "torch.compile each decoder layer (FSDP2 launches): fused kernels, for a compilation "
                                 "before the first step (models.compiled_layers)")
     fp8: str = flag("none", "fp8 matmuls in the decoder's linear layers (torchao float8, scales per tensor or per "

@@ -27,7 +27,7 @@ from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import verdict
-from finetune_kit.training import sequence_parallel
+from finetune_kit.training import lever_choice, sequence_parallel
 from finetune_kit.training.checkpointing import checkpoints, resharding
 
 # What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
@@ -132,22 +132,39 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         checkpoints.check_same_run(checkpoint, identity)
         resharding.check_reshape(checkpoint, args, zero_stage, ds_config, data_ranks)
 
+    def memory_kwargs_of(args) -> dict:
+        return dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                    gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                    recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
+                    loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
+                    offload_activations=args.offload_activations,
+                    sequence_parallel=getattr(args, "sequence_parallel", 1),
+                    tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check,
+                    # the causal recipes' forward takes no mask (data.model_inputs): SDPA keeps k, v at their
+                    # own heads; the classifier's padded rows reach it with theirs
+                    kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable())
+
+    if getattr(args, "levers_gpu", None) and getattr(args, "levers", "explicit") != "auto":
+        raise ConfigError(f"--levers-gpu {args.levers_gpu} without --levers auto: it names the GPU --levers auto "
+                          "ranks the settings for, and the flags are taken as given. Add --levers auto, or drop "
+                          "--levers-gpu.")
+    if getattr(args, "levers", "explicit") == "auto":  # before the memory check: it checks what will run
+        args.levers_chosen = lever_choice.apply(
+            args, model_config, None if fsdp_launch else ds_config, memory_kwargs=memory_kwargs_of(args),
+            loss_kernels=lever_choice.loss_kernels_here(args, classifier=num_labels is not None),
+            compile_ok=fsdp_launch is not None and _device_capability() is not None)
+        if fsdp_launch is None:
+            config_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
+                                            grad_accum=args.grad_accum, world=env.world_size(), source=str(ds_path))
+    memory_kwargs = memory_kwargs_of(args)
     return _common(
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
-        memory_kwargs=dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
-                           gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
-                           recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
-                           loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
-                           offload_activations=args.offload_activations,
-                           sequence_parallel=getattr(args, "sequence_parallel", 1),
-                           tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check,
-                           # the causal recipes' forward takes no mask (data.model_inputs): SDPA keeps k, v at their
-                           # own heads; the classifier's padded rows reach it with theirs
-                           kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable()),
+        memory_kwargs=memory_kwargs,
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
-        script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
+        script_args={k: v for k, v in vars(args).items()
+                     if k not in ("output", "resume", "report_to", "levers_chosen")})
 
 
 def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> CheckedLaunch:

@@ -163,6 +163,7 @@ def batch_shape(args) -> dict:
     return {"micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": bool(args.gradient_checkpointing), "recompute_every": args.recompute_every,
             "compiled": bool(getattr(args, "compile", False)),
+            **({"levers": args.levers_chosen} if getattr(args, "levers_chosen", "") else {}),
             **({"sequence_parallel": args.sequence_parallel} if getattr(args, "sequence_parallel", 1) > 1 else {}),
             **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {}),
             **({"fp8": args.fp8} if getattr(args, "fp8", "none") != "none" else {}),

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.planning.speed import ulysses_bytes
 
 KERNELS = ("sdpa", "packed_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")  # not eager
 
@@ -102,27 +103,17 @@ def check(size: int, *, world: int, gpus_per_node: int, model_config, max_seq_le
                           "shifted before slicing, which the chunked loss reads. Use --loss-chunks 8 (the default).")
 
 
-def all_to_all_bytes(*, size: int, layers: int, hidden_size: int, kv_dim: int, tokens: float, passes: int) -> float:
-    """What each rank sends in one micro-batch's Ulysses all-to-alls: per layer the query (``hidden_size``), key and
-    value (``kv_dim`` each) and the attention output (``hidden_size``) of its ``tokens`` (its 1/size of the sequence),
-    in bf16, over ``passes`` (forward and backward, and the recomputed forward with checkpointing); each all-to-all
-    keeps 1/size of its tensor on the rank. The speed model prices the same bytes (finetune_tools.planning.speed)."""
-    if size <= 1:
-        return 0.0
-    per_layer = (2 * hidden_size + 2 * kv_dim) * 2 * tokens
-    return layers * passes * (size - 1) / size * per_layer
-
-
 def across_nodes(size: int, *, gpus_per_node: int, model_config, max_seq_len: int, micro_batch: int) -> str | None:
     """What a group spanning nodes costs, in one line (None inside a node): the share of each layer's all-to-alls
-    that leaves the node, and their bytes per rank and micro-batch over all layers (:func:`all_to_all_bytes`, with
-    the recipes' checkpointing: three passes), of which (size - GPUs per node)/(size - 1) go to other nodes."""
+    that leaves the node, and their bytes per rank and micro-batch over all layers
+    (:func:`finetune_kit.planning.speed.ulysses_bytes`, with the recipes' checkpointing: three passes), of which
+    (size - GPUs per node)/(size - 1) go to other nodes."""
     if size <= gpus_per_node:
         return None
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    sent = all_to_all_bytes(size=size, layers=model_config.num_hidden_layers, hidden_size=heads * head_dim,
+    sent = ulysses_bytes(size=size, layers=model_config.num_hidden_layers, hidden_size=heads * head_dim,
                             kv_dim=kv_heads * head_dim, tokens=micro_batch * max_seq_len // size, passes=3)
     share = (size - gpus_per_node) / size
     gib = sent * (size - gpus_per_node) / (size - 1) / 2**30

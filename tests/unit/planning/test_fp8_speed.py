@@ -13,8 +13,8 @@ import pytest
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import Adapter, resolve_model
-from finetune_tools.planning.hardware import GPUS
-from finetune_tools.planning.speed import (
+from finetune_kit.planning.hardware import GPUS
+from finetune_kit.planning.speed import (
     FP8_PUBLISHED,
     UNFUSED_CASTS,
     Cluster,

@@ -10,11 +10,11 @@ import pytest
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import resolve_model
 from finetune_kit.planning.activations import activation_bytes
+from finetune_kit.planning.hardware import GPUS
+from finetune_kit.planning.speed import Cluster, Job, all_to_all_bytes, predict
 from finetune_kit.planning.verdict import Setup, plan
 from finetune_tools.planning import long_context
-from finetune_tools.planning.hardware import GPUS
 from finetune_tools.planning.long_context import alst_levers, longest_context
-from finetune_tools.planning.speed import Cluster, Job, all_to_all_bytes, predict
 from tests.harness import REPO
 
 SHAPE = resolve_model("llama3.1-8b")

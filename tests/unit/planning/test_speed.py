@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from finetune_kit.models.shapes import Adapter, resolve_model
-from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
-from finetune_tools.planning.speed import (
+from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
+from finetune_kit.planning.speed import (
     Cluster,
     Efficiency,
     Job,
@@ -61,11 +61,14 @@ def test_across_nodes_the_network_share_of_each_gpu_limits_the_ring():
 def test_offload_adds_pcie_and_cpu_adam_time():
     job = Job(LLAMA3_8B, micro_batch=2, grad_accum=8, stage=3)
     cluster = Cluster(GPUS["h100"], 8, 1)
-    eff = Efficiency(adam_params_per_s=2e9)  # the default compute shares and per-parameter step times
+    eff = Efficiency(adam_params_per_s_per_core=1.25e8)  # 2e9 parameters/s on the default 16 host cores
     with_offload = predict(replace(job, offload_optimizer=True), cluster, eff)
-    pcie = 2 * P * 2 / 8 / (64e9 * LINK_EFFICIENCY)
+    pcie = (8 + 1) * P * 2 / 8 / (64e9 * LINK_EFFICIENCY)  # gradients after each of 8 micro-batches, weights once
     assert with_offload.offload_s == pytest.approx(pcie + P / 2e9)
     assert predict(job, cluster, eff).offload_s == 0
+    # 64 cores would update 8e9 parameters/s; the host's memory streams 100e9 / 30 bytes = 3.3e9 of them
+    many = predict(replace(job, offload_optimizer=True), replace(cluster, host_cores=64), eff)
+    assert many.offload_s == pytest.approx(pcie + P / (100e9 / 30))
 
 
 def synthetic(eff: Efficiency) -> list[Observation]:
@@ -82,18 +85,18 @@ def synthetic(eff: Efficiency) -> list[Observation]:
 
 
 def test_the_fit_recovers_the_constants_that_made_the_runs():
-    truth = Efficiency({"full": 0.42, "frozen-base": 0.31}, {"deepspeed": 3e-11, "torch": 1e-11}, 1.3e9)
+    truth = Efficiency({"full": 0.42, "frozen-base": 0.31}, {"deepspeed": 3e-11, "torch": 1e-11}, 8.1e7)
     fitted = fit_efficiency(synthetic(truth))
     for method in ("full", "frozen-base"):
         assert fitted.compute[method] == pytest.approx(truth.compute[method], rel=1e-6)
     assert fitted.step_s_per_param["deepspeed"] == pytest.approx(3e-11, rel=1e-6)
-    assert fitted.adam_params_per_s == pytest.approx(1.3e9, rel=1e-6)
+    assert fitted.adam_params_per_s_per_core == pytest.approx(8.1e7, rel=1e-6)
     assert max(map(abs, held_out_errors(synthetic(truth)).values())) < 1e-6
 
 
 def test_the_held_out_error_sees_a_run_the_model_cannot_explain():
     """Negative control: one run 30% slower than its setup predicts stands out in its own error."""
-    truth = Efficiency({"full": 0.42, "frozen-base": 0.31}, {"deepspeed": 3e-11, "torch": 1e-11}, 1.3e9)
+    truth = Efficiency({"full": 0.42, "frozen-base": 0.31}, {"deepspeed": 3e-11, "torch": 1e-11}, 8.1e7)
     runs = synthetic(truth)
     runs[1] = replace(runs[1], tokens_per_s_per_gpu=runs[1].tokens_per_s_per_gpu * 0.7)
     errors = held_out_errors(runs)
@@ -104,8 +107,7 @@ def test_the_held_out_error_sees_a_run_the_model_cannot_explain():
 def test_the_runs_in_results_are_predicted_within_the_error_the_results_page_states():
     from finetune_tools.results import calibration
 
-    rows = calibration.published_observations(REPO / "results/published.csv") \
-        + calibration.measured_observations(REPO / "results/runs")
+    rows = calibration.observations(REPO / "results")
     errors = held_out_errors([o for o, _ in rows])
     measured = sorted(abs(errors[o.name]) for o, _ in rows if o.source == "measured")
     assert len(measured) >= 8 and measured[len(measured) // 2] < 0.10  # median of the H100 runs
@@ -127,7 +129,7 @@ def test_published_rows_held_out_or_for_reference_never_move_the_fit():
 
 
 def test_published_fp8_rows_are_predicted_with_the_cost_fitted_on_measured_pairs():
-    from finetune_tools.planning.speed import predict_fp8
+    from finetune_kit.planning.speed import predict_fp8
     from finetune_tools.results import calibration, fp8_pairs
 
     rows = [o for o, _ in calibration.observations(REPO / "results")]

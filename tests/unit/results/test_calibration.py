@@ -2,7 +2,7 @@
 
 import json
 
-from finetune_tools.planning.speed import Efficiency
+from finetune_kit.planning.speed import Efficiency
 from finetune_tools.results import calibration
 from tests.harness import REPO
 
@@ -15,7 +15,7 @@ def test_the_fitted_file_ignores_the_solves_last_digits(monkeypatch):
     def nudged(factor):
         return Efficiency({k: v * factor for k, v in fitted.compute.items()},
                           {k: v * factor for k, v in fitted.step_s_per_param.items()},
-                          fitted.adam_params_per_s * factor)
+                          fitted.adam_params_per_s_per_core * factor, fitted.compiled * factor)
 
     texts = []
     for factor in (1 - 4e-8, 1 + 4e-8):
@@ -24,4 +24,4 @@ def test_the_fitted_file_ignores_the_solves_last_digits(monkeypatch):
     assert texts[0] == texts[1]
     written = json.loads(texts[0])
     assert written["compute"]["full"] == float(f"{fitted.compute['full']:.4g}")
-    assert written["adam_params_per_s"] == float(f"{fitted.adam_params_per_s:.4g}")
+    assert written["adam_params_per_s_per_core"] == float(f"{fitted.adam_params_per_s_per_core:.4g}")

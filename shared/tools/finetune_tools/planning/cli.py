@@ -39,19 +39,12 @@ from pathlib import Path
 from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
-from finetune_kit.planning.verdict import (
-    Plan,
-    Setup,
-    plan,
-    setup_for_fsdp2,
-    setup_from_deepspeed,
-    suggest,
-)
-from finetune_tools.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
-from finetune_tools.planning.long_context import alst_levers, longest_context
-from finetune_tools.planning.recipe_tables import gib, recipe_plans
-from finetune_tools.planning.speed import (
+from finetune_kit.planning import levers
+from finetune_kit.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
+from finetune_kit.planning.speed import (
     FP8_PUBLISHED,
+    HOST_CORES,
+    HOST_MEMORY_GBPS,
     Cluster,
     Job,
     calibrated,
@@ -62,6 +55,17 @@ from finetune_tools.planning.speed import (
     predict,
     predict_fp8,
 )
+from finetune_kit.planning.verdict import (
+    Plan,
+    Setup,
+    plan,
+    setup_for_fsdp2,
+    setup_from_deepspeed,
+    suggest,
+)
+from finetune_tools.planning.gpu_records import measured_settings
+from finetune_tools.planning.long_context import alst_levers, longest_context
+from finetune_tools.planning.recipe_tables import gib, recipe_plans
 from finetune_tools.tables import text_table
 
 
@@ -155,6 +159,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="with --data: the chat template the recipe will render it with (its --chat-template)")
     cost.add_argument("--price", type=float, help="price of one GPU-hour")
     cost.add_argument("--calibration", type=Path, help="results/speed-calibration.json (make plan passes it)")
+    cost.add_argument("--host-cores", type=int, default=HOST_CORES,
+                      help="CPU cores per node that run the offloaded optimizer step (DeepSpeed's CPU Adam)")
+    cost.add_argument("--host-memory-gbps", type=float, default=HOST_MEMORY_GBPS,
+                      help="host memory bandwidth per node in GB/s (what CPU Adam's reads and writes share)")
+    cost.add_argument("--best", action="store_true",
+                      help="with --recipe and --gpu: rank every setting the recipe can run (micro-batch at the same "
+                           "global batch, checkpointing, loss kernel, compile, ZeRO-3 or FSDP2, offload), the "
+                           "fastest that fits with 10%% of the GPU's memory free first")
     args = p.parse_args(argv)
     if args.gpu_memory_GiB is None:
         args.gpu_memory_GiB = gpu_profile(args.gpu).memory_GiB if args.gpu else 80.0
@@ -198,10 +210,8 @@ def setup_from_args(args) -> Setup:
     return replace(setup, **overrides)
 
 
-def render_speed(p: Plan, args) -> str:
-    """Tokens/s, time, GPU-hours and cost of the plan's setup on ``args.gpu``, and the cheapest change."""
-    s = p.setup
-    efficiency, source = calibrated(args.calibration)
+def cluster_of(s: Setup, args) -> Cluster:
+    """The speed model's cluster for setup ``s`` on ``args``' GPU, network and host (with their overrides)."""
     network = network_profile(args.network) if args.network else None
     if network and args.network_gbps:
         network = replace(network, per_node_GBps=args.network_gbps, description=f"{args.network_gbps:g} GB/s per node")
@@ -209,7 +219,57 @@ def render_speed(p: Plan, args) -> str:
     overrides = {"peak_bf16_tflops": args.peak_tflops, "intra_node_GBps": args.intra_node_gbps,
                  "host_link_GBps": args.host_link_gbps}
     gpu = replace(gpu, **{k: v for k, v in overrides.items() if v})
-    cluster = Cluster(gpu, s.gpus_per_node, s.nodes, network)
+    return Cluster(gpu, s.gpus_per_node, s.nodes, network, args.host_cores, args.host_memory_gbps)
+
+
+LAUNCH_CONFIGS = {"ZeRO-3": "configs/zero3.yaml", "ZeRO-3 + optimizer offload": "configs/zero3-offload.yaml",
+                  "FSDP2": "configs/fsdp2.yaml"}
+
+
+def render_best(p: Plan, args, recipe: Path | None) -> str:
+    """Every setting the recipe can run on ``args``' hardware (:func:`finetune_kit.planning.levers.options`) at the
+    plan's global batch, ranked: memory, tokens/s, hours, measured or predicted, and the exact flags."""
+    efficiency, source = calibrated(args.calibration)
+    cluster = cluster_of(p.setup, args)
+    grad_accum = args.grad_accum or 4
+    results = Path(args.calibration).parent if args.calibration else None
+    found = measured_settings(results / "runs") if results and (results / "runs").is_dir() else {}
+    ranked = levers.rank(levers.options(p.model, p.setup, grad_accum, cluster, efficiency,
+                                        measured=lambda job, c: found.get(levers_key(job, c), "")))
+    tokens = args.tokens or (count_tokens(args) if args.data else None)
+    rows = []
+    for i, o in enumerate(ranked, 1):
+        config = LAUNCH_CONFIGS.get(o.engine) if o.job.adapter is None else None
+        launch = f"--config_file {config} " if config and recipe and (recipe / config).is_file() else ""
+        hours = f"{tokens / (o.tokens_per_s * cluster.gpus) / 3600:,.1f}" if tokens else "-"
+        rows.append([str(i), o.engine, f"{o.plan.gpu_bytes / 2**30:.1f}", "yes" if o.fits() else "no",
+                     f"{o.tokens_per_s:,.0f}", hours, f"measured ({o.measured})" if o.measured else "predicted",
+                     launch + o.flags()])
+    first = ranked[0]
+    head = (f"settings ranked for {cluster.gpus} x {cluster.gpu.name}, {p.setup.micro_batch * grad_accum} sequences of "
+            f"{p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); the first "
+            f"line is the fastest that fits with {100 * levers.HEADROOM:.0f}% of "
+            f"{p.setup.gpu_memory_GiB:g} GiB free"
+            + ("" if first.fits() else " -- none does: the first is the fastest of those that do not") + ". "
+            f"Memory and speed predicted (constants: {source}); \"measured\" names the GPU record of that exact "
+            "setting. --recipe's launch configs pick the engine.\n")
+    return head + text_table(["#", "engine", "GiB per GPU", "fits", "tokens/s per GPU",
+                              f"hours for {tokens:,.0f} tokens" if tokens else "hours", "speed", "flags"], rows)
+
+
+def levers_key(job: Job, cluster: Cluster) -> tuple:
+    """What makes two settings the same for :func:`render_best`'s "measured": the GPU family, the GPUs, the job."""
+    from finetune_kit.planning.speed import family
+
+    return family(cluster.gpu), cluster.gpus, job
+
+
+def render_speed(p: Plan, args) -> str:
+    """Tokens/s, time, GPU-hours and cost of the plan's setup on ``args.gpu``, and the cheapest change."""
+    s = p.setup
+    efficiency, source = calibrated(args.calibration)
+    cluster = cluster_of(s, args)
+    network = cluster.network
     grad_accum = args.grad_accum or 4
     job = job_for(p.model, p.setup, grad_accum)
     pred = predict(job, cluster, efficiency)
@@ -228,6 +288,9 @@ def render_speed(p: Plan, args) -> str:
                         if args.price else "")])
     rows.append(["cheapest change that helps", cheapest_change(job, cluster, efficiency, pred)])
     where = f"{cluster.gpus} x {cluster.gpu.name}" + (f", {network.description}" if network else "")
+    if job.offload_optimizer:
+        where += (f"; CPU Adam on {cluster.host_cores} host cores per node (--host-cores), "
+                  f"{cluster.host_memory_GBps:g} GB/s of host memory (--host-memory-gbps)")
     fp8 = f"\n\n{render_fp8(job, cluster, efficiency, args.fp8)}" if args.fp8 != "none" else ""
     return (f"speed on {where}, accumulation {grad_accum} (predicted; constants: {source}; the held-out error "
             f"of the model is in results/README.md)\n" + text_table(["", "predicted"], rows) + fp8)
@@ -258,7 +321,7 @@ def render_fp8(job: Job, cluster: Cluster, efficiency, recipe: str) -> str:
             f"only)\nfp8 matmuls carry {100 * fp8_share(job):.1f}% of the model FLOPs (the decoder's linear layers; "
             "the LM head and attention stay bf16); the last column says where the casts' cost comes from: fitted on "
             "a pair measured on one H100 (results/README.md, fp8 against bf16), or predicted "
-            "(finetune_tools/planning/speed.py, fp8_cost)\n")
+            "(finetune_kit/planning/speed.py, fp8_cost)\n")
     return head + text_table(["engine", "bf16 tokens/s per GPU", "fp8 tokens/s per GPU", "fp8 over bf16",
                               f"bf16 MFU % ({gpu.peak_bf16_tflops:,.0f} TFLOP/s)", "fp8 MFU % (same bf16 peak)",
                               f"fp8 % of the fp8 peak ({gpu.peak_fp8_tflops:,.0f} TFLOP/s)", "fp8 cost"], rows)
@@ -307,6 +370,9 @@ def render_longest(model, setup: Setup, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.best and not (args.recipe and args.gpu):
+        raise UserInputError("--best ranks a recipe's settings on a GPU: pass --recipe and --gpu (make plan "
+                             "RECIPE=... GPU=h100 BEST=1).")
     if args.fp8 != "none" and not args.gpu:
         raise UserInputError(f"--fp8 {args.fp8} predicts a speed: it needs --gpu ({', '.join(GPUS)}).")
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
@@ -319,6 +385,9 @@ def main(argv=None) -> int:
             print(f"== {args.recipe.name} ({entry['config']})\n{render_longest(model, s, args)}")
             return 0
         p = plan(model, s)
+        if args.best:
+            print(f"== {args.recipe.name} ({entry['config']})\n{render_best(p, args, args.recipe)}")
+            return 0
         print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
         return 0
     if args.recipe:

@@ -26,8 +26,8 @@ from pathlib import Path
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import resolve_model
 from finetune_kit.planning.activations import tiled_mlp_shards
+from finetune_kit.planning.hardware import GPUS
 from finetune_kit.planning.verdict import GiB, Plan, Setup, plan
-from finetune_tools.planning.hardware import GPUS
 
 # ---- the longest context that fits ----
 CONTEXT_GRANULARITY = 1024  # tokens: the longest context is searched on multiples of this (and of sp)

@@ -121,8 +121,8 @@ def logits_note(setup) -> str:
 def speed_table(recipe_dir: Path, calibration: Path) -> str:
     """The markdown speed table of the recipe's ``speed`` setups (memory_plan.json): predicted
     tokens/s, the dominant term and the time and GPU-hours per 100 M tokens, accumulation 4."""
-    from finetune_tools.planning.hardware import gpu_profile, network_profile
-    from finetune_tools.planning.speed import Cluster, calibrated, job_for, predict
+    from finetune_kit.planning.hardware import gpu_profile, network_profile
+    from finetune_kit.planning.speed import Cluster, calibrated, job_for, predict
 
     shape, setups = recipe_setups(recipe_dir, "speed")
     efficiency, _ = calibrated(calibration)
@@ -137,7 +137,7 @@ def speed_table(recipe_dir: Path, calibration: Path) -> str:
         rows.append([entry["label"], f"`{entry['config']}`", f"{per_gpu:,.0f} ({low:,.0f}-{high:,.0f})",
                      f"{per_gpu * cluster.gpus:,.0f}", pred.dominant, f"{hours:,.1f}", f"{hours * cluster.gpus:,.0f}"])
     note = (f"Predicted by `make plan RECIPE={recipe_dir.name} GPU=... GPUS=... NODES=... NETWORK=...` at the "
-            "defaults above and accumulation 4: the speed model of `shared/tools/finetune_tools/planning/speed.py` "
+            "defaults above and accumulation 4: the speed model of `shared/finetune_kit/planning/speed.py` "
             "with the constants `make results` fitted on every run of known speed "
             "(`results/speed-calibration.json`; its held-out error per run is in `results/README.md`). "
             "The range: communication hidden behind compute, "

@@ -361,8 +361,11 @@ def render(results: Path) -> tuple[str, list[Row]]:
         "(`speed-calibration.json`, `fp8_overhead`).", "",
         *fp8_pairs.table(results, calibration.fitted_efficiency(results)), "",
         "## Speed: the planner's prediction against every run of known speed", "",
-        "The speed model (`shared/tools/finetune_tools/planning/speed.py`: compute at a fitted share of the bf16 peak, "
-        "the collectives of the engine over the slowest link, a fitted time per optimizer step, CPU offload) "
+        "The speed model (`shared/finetune_kit/planning/speed.py`: the FLOPs a GPU executes -- causal attention at "
+        "half of 12LHQT, the recomputed layers' forward, the chunked loss's second head forward -- at a fitted share "
+        "of the bf16 peak, compiled layers at a factor fitted on a compiled/eager pair, the collectives of the "
+        "engine over the slowest link, a fitted time per optimizer step, and under CPU offload "
+        "the gradients to host memory after every micro-batch and CPU Adam on the host's cores) "
         "predicts each run from the constants fitted on all the other runs (leave one out): the error is a "
         "held-out error. Published rows use their sources' setups, with what a source leaves out assumed as "
         "the last column says (`shared/tools/finetune_tools/results/calibration.py`). The rows marked \"held out: "

@@ -2,12 +2,15 @@
 
 One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N GPUs takes:
 
-* **compute**: its model FLOPs (:class:`~finetune_kit.metering.flops.FlopCounter`: 6N + 12LHQT per
-  token, or 4N_frozen + 6N_trainable + 12LHQT with a frozen base) at ``efficiency`` x the GPU's dense
-  bf16 peak, plus the forward pass again under activation checkpointing (2N of 6N per token, or of
-  4N with a frozen base). ``efficiency`` is the share of the peak a GPU reaches as model FLOPs while it computes
-  (recomputation, kernels, launch gaps folded in); it is fitted on measured and published runs
-  (:func:`fit_efficiency`), one value per method (full fine-tuning, frozen base).
+* **compute**: the FLOPs the GPU executes (:meth:`Job.executed_per_token`) at ``efficiency`` x the GPU's dense
+  bf16 peak: the model FLOPs (:class:`~finetune_kit.metering.flops.FlopCounter`: 6N + 12LHQT per token, or
+  4N_frozen + 6N_trainable + 12LHQT with a frozen base) with causal attention at half of 12LHQT (flash attention
+  skips the masked blocks), plus the forward again of the decoder layers checkpointing recomputes (all of them, or
+  every ``recompute_every``-th) and, with the chunked loss, of the LM head. ``efficiency`` is the share of the peak
+  a GPU reaches while it computes (kernels, launch gaps folded in); it is fitted on measured and published runs
+  (:func:`fit_efficiency`), one value per method (full fine-tuning, frozen base). Compiled decoder layers take
+  ``Efficiency.compiled`` of that time, fitted on pairs of runs that differ only in compilation
+  (:func:`fit_compiled`).
 * **communication**: the bytes each GPU sends in the step's collectives over the slowest link of the
   ring, the seed's T = 2(N-1)/N x M / B generalised: an all-gather or a reduce-scatter of M bytes
   moves (N-1)/N x M per GPU, an all-reduce twice that. Per micro-batch under ZeRO-3/FSDP2: the bf16
@@ -30,9 +33,11 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
   engine (DeepSpeed, or PyTorch's own optimizer under FSDP2 or on one device): ``step_s_per_param``.
   It is why gradient accumulation speeds a step up (measured on one H100: 1.5x from 1 to 4
   micro-batches per step on the 8B shape).
-* **CPU offload** (ZeRO's ``offload_optimizer``): each GPU's share of the gradients to host memory
-  and of the updated weights back over PCIe, then DeepSpeed's CPU Adam over the node's share of the
-  trainable parameters at ``adam_params_per_s`` per node (fitted on the offloaded runs).
+* **CPU offload** (ZeRO's ``offload_optimizer``): each GPU's share of the gradients to host memory after
+  every micro-batch and of the updated weights back once per step over PCIe (:func:`offload_pcie_s`), then
+  DeepSpeed's CPU Adam over the node's share of the trainable parameters (:func:`cpu_adam_s`): the host's cores
+  (``Cluster.host_cores``) at a rate per core fitted on the offloaded runs measured here, at most what the host's
+  memory bandwidth (``Cluster.host_memory_GBps``) streams at :data:`ADAM_BYTES` a parameter.
 
 * **fp8 matmuls** (``--fp8``, torchao's float8 linear layers; :func:`predict_fp8`): the share of the model
   FLOPs that the converted layers carry (:func:`fp8_share`: 6 x the parameters of the decoder's linear layers,
@@ -58,8 +63,7 @@ from dataclasses import dataclass, field, replace
 from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.models import fp8
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
-from finetune_kit.training import sequence_parallel
-from finetune_tools.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, Gpu, Network
+from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, Gpu, Network
 
 BF16 = 2
 FP32 = 4
@@ -81,6 +85,9 @@ class Job:
     adapter: Adapter | None = None  # LoRA/QLoRA: a frozen base (quantized: nf4)
     num_labels: int | None = None
     sequence_parallel: int = 1  # Ulysses SP degree: ranks that share one sequence
+    recompute_every: int = 1  # with checkpointing: every N-th decoder layer recomputed (1: all)
+    loss_kernel: str = "none"  # "chunked": the head's forward again in the backward | "liger" | "none": neither
+    compiled: bool = False  # decoder layers through torch.compile
 
     @property
     def method(self) -> str:
@@ -98,13 +105,49 @@ class Job:
                               head_trainable=bool(self.num_labels and self.adapter))
         return counter.per_token(self.seq_len)
 
+    def attention_per_token(self) -> float:
+        """The 12LHQT of :meth:`flops_per_token`: attention's scores and their use, forward and backward, counted
+        over the whole sequence as the MFU convention does."""
+        s = self.shape
+        return 12 * s.num_hidden_layers * s.num_attention_heads * s.dim_per_head * self.seq_len
+
+    def recomputed_layers(self) -> float:
+        """Share of the decoder layers whose forward runs again in the backward: ceil(L / every) / L with
+        checkpointing (transformers checkpoints layers 0, every, 2 x every, ...), else 0."""
+        if not self.gradient_checkpointing:
+            return 0.0
+        layers = self.shape.num_hidden_layers
+        return math.ceil(layers / max(1, self.recompute_every)) / layers
+
+    def executed_per_token(self) -> float:
+        """FLOPs per token the GPU runs: :meth:`flops_per_token` with causal attention at the half flash attention
+        computes (the blocks above the diagonal are skipped), plus the forward of the recomputed decoder layers
+        (2 x their parameters and causal attention's forward, 2LHQT) and, with the chunked loss, the head's forward
+        again in the backward (2 x its parameters)."""
+        causal = self.attention_per_token() / 2
+        blocks = self.shape.num_hidden_layers * self.shape.block_linear_params()
+        recompute = self.recomputed_layers() * (2 * blocks + causal / 3)
+        head = 2 * self.shape.head_params(self.num_labels) * (self.loss_kernel == "chunked")
+        return self.flops_per_token() - causal + recompute + head
+
 
 def job_for(shape: ModelShape, setup, grad_accum: int = 4) -> Job:
     """The :class:`Job` of a memory planner's ``Setup`` (:mod:`.memory`) at ``grad_accum``."""
     return Job(shape, seq_len=setup.seq_len, micro_batch=setup.micro_batch, grad_accum=grad_accum,
                stage=setup.stage, engine=setup.engine, offload_optimizer=setup.offload_optimizer,
                gradient_checkpointing=setup.gradient_checkpointing, adapter=setup.adapter,
-               num_labels=setup.num_labels, sequence_parallel=setup.sequence_parallel)
+               num_labels=setup.num_labels, sequence_parallel=setup.sequence_parallel,
+               recompute_every=setup.recompute_every)
+
+
+# A node's host, for the offloaded optimizer step: an assumption where the user gives none (make plan's --host-cores,
+# --host-memory-gbps). 16 cores: the GPU machine the records in results/runs/ were measured on, one GPU with 16 CPU
+# cores; 100 GB/s: a fraction of one socket's DDR5 that a streaming update sustains.
+HOST_CORES = 16
+HOST_MEMORY_GBPS = 100.0
+# Bytes CPU Adam moves per parameter: reads the fp32 weight, gradient and both moments (16), writes the weight and
+# both moments (12) and the bf16 copy sent back to the GPU (2).
+ADAM_BYTES = 30
 
 
 @dataclass(frozen=True)
@@ -113,6 +156,8 @@ class Cluster:
     gpus_per_node: int = 8
     nodes: int = 1
     network: Network | None = None  # between nodes; needed when nodes > 1
+    host_cores: int = HOST_CORES  # per node: the threads DeepSpeed's CPU Adam runs on (offload)
+    host_memory_GBps: float = HOST_MEMORY_GBPS  # per node: what CPU Adam's reads and writes share (offload)
 
     @property
     def gpus(self) -> int:
@@ -123,14 +168,20 @@ class Cluster:
 class Efficiency:
     """Fitted constants: the compute share of the bf16 peak per method (and per method on a GPU
     family, "full on A100", where runs of that family were fitted), the time per trained parameter
-    per optimizer step per method, CPU Adam's rate per node."""
+    per optimizer step per method, CPU Adam's rate per host core, torch.compile's time over eager."""
 
     compute: dict = field(default_factory=lambda: {"full": 0.35, "frozen-base": 0.30})
     step_s_per_param: dict = field(default_factory=lambda: {"deepspeed": 5e-11, "torch": 1e-11})
-    adam_params_per_s: float = 1.0e9
+    adam_params_per_s_per_core: float = 6.0e7
+    compiled: float = 1.0  # the matmul time of compiled decoder layers over uncompiled ones (fitted on measured pairs)
     # fp8's added time, a fraction of the covered matmuls' bf16 time, fitted on measured bf16/fp8 pairs per
     # "<scaling> compiled|uncompiled" (results/runs/fp8/; empty: none measured, see fp8_overhead)
     fp8_overhead: dict = field(default_factory=dict)
+
+    def adam_params_per_s(self, cluster: Cluster) -> float:
+        """CPU Adam's parameters per second on one node: its cores at the fitted rate per core, at most what its
+        memory streams at :data:`ADAM_BYTES` a parameter."""
+        return min(cluster.host_cores * self.adam_params_per_s_per_core, cluster.host_memory_GBps * 1e9 / ADAM_BYTES)
 
     def compute_for(self, method: str, gpu: Gpu) -> float:
         return self.compute.get(f"{method} on {family(gpu)}", self.compute[method])
@@ -139,6 +190,9 @@ class Efficiency:
 def family(gpu: Gpu) -> str:
     """"A100", "H100", "H200": the GPU generation a compute efficiency is fitted per."""
     return gpu.name.split()[0]
+
+
+CALIBRATION_FILE = "speed-calibration.json"  # results/ beside README.md: what make results fits, make plan reads
 
 
 def calibrated(path=None) -> tuple[Efficiency, str]:
@@ -150,8 +204,8 @@ def calibrated(path=None) -> tuple[Efficiency, str]:
     if path is None or not Path(path).is_file():
         return Efficiency(), "uncalibrated defaults (no results/speed-calibration.json given)"
     data = json.loads(Path(path).read_text())
-    return (Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s"],
-                       data.get("fp8_overhead", {})), str(path))
+    return (Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s_per_core"],
+                       data.get("compiled", 1.0), data.get("fp8_overhead", {})), str(path))
 
 
 @dataclass(frozen=True)
@@ -226,23 +280,46 @@ def bytes_per_step(job: Job, gpus: int) -> float:
     return 2 * _ring(trainable * BF16, gpus)  # ZeRO-0/1: all-reduce of the gradients
 
 
+def ulysses_bytes(*, size: int, layers: int, hidden_size: int, kv_dim: int, tokens: float, passes: int) -> float:
+    """What each rank sends in one micro-batch's Ulysses all-to-alls: per layer the query (``hidden_size``), key and
+    value (``kv_dim`` each) and the attention output (``hidden_size``) of its ``tokens`` (its 1/size of the sequence),
+    in bf16, over ``passes`` (forward and backward, and the recomputed forward with checkpointing); each all-to-all
+    keeps 1/size of its tensor on the rank. The recipes' line before a launch across nodes counts the same bytes
+    (:func:`finetune_kit.training.sequence_parallel.across_nodes`)."""
+    if size <= 1:
+        return 0.0
+    per_layer = (2 * hidden_size + 2 * kv_dim) * 2 * tokens
+    return layers * passes * (size - 1) / size * per_layer
+
+
 def all_to_all_bytes(job: Job) -> float:
-    """What each GPU sends in one micro-batch's Ulysses all-to-alls, as the recipe's own line before a launch across
-    nodes counts it (:func:`finetune_kit.training.sequence_parallel.all_to_all_bytes`): forward, backward and (with
-    checkpointing) the recomputed forward."""
+    """:func:`ulysses_bytes` of one micro-batch of ``job``: forward, backward and (with checkpointing) the recomputed
+    forward."""
     sp, shape = job.sequence_parallel, job.shape
-    return sequence_parallel.all_to_all_bytes(size=sp, layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
-                                              kv_dim=shape.kv_dim, tokens=job.micro_batch * job.seq_len / sp,
-                                              passes=2 + job.gradient_checkpointing)
+    return ulysses_bytes(size=sp, layers=shape.num_hidden_layers, hidden_size=shape.hidden_size, kv_dim=shape.kv_dim,
+                         tokens=job.micro_batch * job.seq_len / sp, passes=2 + job.gradient_checkpointing)
+
+
+def offload_pcie_s(job: Job, cluster: Cluster) -> float:
+    """Each GPU's share of the gradients to host memory after every micro-batch's backward (ZeRO-3 accumulates them
+    there), and of the updated bf16 weights back once per step, over its PCIe link."""
+    share = job.trainable() * BF16 / cluster.gpus
+    return (job.grad_accum + 1) * share / (cluster.gpu.host_link_GBps * 1e9 * LINK_EFFICIENCY)
+
+
+def cpu_adam_s(job: Job, cluster: Cluster, efficiency: Efficiency) -> float:
+    """DeepSpeed's CPU Adam over the node's share of the trainable parameters (:meth:`Efficiency.adam_params_per_s`:
+    the host's cores, bounded by its memory's bandwidth)."""
+    return job.trainable() / cluster.nodes / efficiency.adam_params_per_s(cluster)
 
 
 def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) -> Prediction:
     eff = efficiency or Efficiency()
     gpus = cluster.gpus
     tokens = job.micro_batch * job.seq_len * job.grad_accum * gpus // max(1, job.sequence_parallel)
-    recompute = 1 + (1 / 3 if job.adapter is None else 1 / 2) * job.gradient_checkpointing  # the forward again
-    matmul = tokens / gpus * job.flops_per_token() * recompute / (cluster.gpu.peak_bf16_tflops * 1e12
-                                                                  * eff.compute_for(job.method, cluster.gpu))
+    matmul = tokens / gpus * job.executed_per_token() / (cluster.gpu.peak_bf16_tflops * 1e12
+                                                         * eff.compute_for(job.method, cluster.gpu))
+    matmul *= eff.compiled if job.compiled else 1.0
     shard = job.trainable() / (gpus if job.stage >= 1 else 1)
     optimizer = shard * eff.step_s_per_param[optimizer_kind(job)] * (not job.offload_optimizer)
     sent = bytes_per_step(job, gpus)
@@ -271,9 +348,7 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
             inter += a2a * off_node / (cluster.network.per_node_GBps * 1e9 * LINK_EFFICIENCY / cluster.gpus_per_node)
     offload = 0.0
     if job.offload_optimizer:
-        trainable = job.trainable()
-        pcie = 2 * trainable * BF16 / gpus / (cluster.gpu.host_link_GBps * 1e9 * LINK_EFFICIENCY)
-        offload = pcie + trainable / cluster.nodes / eff.adam_params_per_s
+        offload = offload_pcie_s(job, cluster) + cpu_adam_s(job, cluster, eff)
     return Prediction(tokens, matmul, optimizer, intra, inter, offload)
 
 
@@ -419,8 +494,11 @@ def predict_observation(obs: Observation, efficiency: Efficiency | None = None) 
 
 
 def fit_efficiency(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
+    """The compute shares and step times on the uncompiled fitted runs, then torch.compile's factor on the
+    compiled ones (:func:`fit_compiled`)."""
     observations = [o for o in observations if o.fitted]
-    return _fit(observations, start)
+    eff = _fit([o for o in observations if not o.job.compiled], start)
+    return replace(eff, compiled=fit_compiled(observations, eff))
 
 
 def _fit(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
@@ -444,7 +522,7 @@ def _fit(observations: list[Observation], start: Efficiency | None = None) -> Ef
         groups += [(method, f) for f in own] + [(method, None)] * bool(set(sizes) - set(own))  # None: the rest
         for o in mine:
             unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, dict.fromkeys(kinds, 0.0),
-                                                        eff.adam_params_per_s))
+                                                        eff.adam_params_per_s_per_core, eff.compiled))
             step = unit.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
             shard = o.job.trainable() / (o.cluster.gpus if o.job.stage >= 1 else 1)
             group = (method, family(o.cluster.gpu) if family(o.cluster.gpu) in own else None)
@@ -453,7 +531,9 @@ def _fit(observations: list[Observation], start: Efficiency | None = None) -> Ef
     if rows:
         matrix = [[x * (g == group) for group in groups] + [y * (k == kind) for kind, _ in columns_per_param]
                   for g, x, k, y in rows]
-        solution = np.linalg.lstsq(np.array(matrix), np.array(targets), rcond=None)[0]
+        matrix = np.array(matrix)
+        scale = np.where(np.abs(matrix).max(axis=0) > 0, np.abs(matrix).max(axis=0), 1.0)  # columns of one size
+        solution = np.linalg.lstsq(matrix / scale, np.array(targets), rcond=None)[0] / scale
         inverses, seconds = solution[:len(groups)], solution[len(groups):]
         for (method, fam), inverse in zip(groups, inverses, strict=True):
             if inverse > 1:  # a share of the peak above 1 is no fit: keep the previous value
@@ -464,20 +544,37 @@ def _fit(observations: list[Observation], start: Efficiency | None = None) -> Ef
             families = [v for k, v in compute.items() if k.startswith(f"{method} on ")]
             if families and (method, None) not in groups and " on " not in method:
                 compute[method] = math.exp(sum(map(math.log, families)) / len(families))
-    eff = Efficiency(compute, per_param, eff.adam_params_per_s)
+    eff = Efficiency(compute, per_param, eff.adam_params_per_s_per_core, eff.compiled)
     rates = []
     for o in observations:
         if not o.job.offload_optimizer:
             continue
         base = predict(o.job, o.cluster, eff)
         step = base.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
-        adam = step - (base.step_s - base.offload_s) - (base.offload_s - o.job.trainable() / o.cluster.nodes
-                                                        / eff.adam_params_per_s)
-        if adam > 0:
-            rates.append(o.job.trainable() / o.cluster.nodes / adam)
+        adam = step - (base.step_s - base.offload_s) - offload_pcie_s(o.job, o.cluster)
+        if adam > 0:  # the rate per core at which CPU Adam takes the rest of the step
+            rates.append(o.job.trainable() / o.cluster.nodes / adam / o.cluster.host_cores)
     if rates:
-        eff = Efficiency(compute, per_param, math.exp(sum(map(math.log, rates)) / len(rates)))
+        eff = replace(eff, adam_params_per_s_per_core=math.exp(sum(map(math.log, rates)) / len(rates)))
     return eff
+
+
+def fit_compiled(observations: list[Observation], efficiency: Efficiency) -> float:
+    """``Efficiency.compiled`` from the pairs of fitted runs that differ only in torch.compile (same job otherwise,
+    same GPUs): the compiled matmul time over the uncompiled, 1 + (compiled step - uncompiled step) / the uncompiled
+    matmul time the model gives; their geometric mean, or 1 without a pair. A pair holds the rest of the step
+    equal, so the model's errors elsewhere stay out of this factor."""
+    runs = [o for o in observations if o.fitted]
+    ratios = []
+    for c in (o for o in runs if o.job.compiled):
+        for u in (o for o in runs if not o.job.compiled and o.job == replace(c.job, compiled=False)
+                  and o.cluster == c.cluster):
+            p = predict(u.job, u.cluster, replace(efficiency, compiled=1.0))
+            seconds = [p.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu for o in (c, u)]
+            ratio = 1 + (seconds[0] - seconds[1]) / p.matmul_s
+            if ratio > 0:
+                ratios.append(ratio)
+    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
 
 
 def held_out_errors(observations: list[Observation], fp8_overhead: dict | None = None) -> dict[str, float]:
