@@ -50,6 +50,14 @@ def tiny_llama3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_4bit(tiny_llama3, tmp_path_factory) -> Path:
+    """tiny_llama3 saved in 4-bit (nf4, stored as bf16), as a ``*-bnb-4bit`` folder is."""
+    from finetune_tools.tiny_models import save_4bit
+
+    return save_4bit(tiny_llama3, tmp_path_factory.mktemp("models") / "tiny-llama3-bnb-4bit")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama2(tmp_path_factory) -> Path:
     from finetune_tools.tiny_models import build_tiny
 

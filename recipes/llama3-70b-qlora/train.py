@@ -80,12 +80,14 @@ def check_inputs(argv=None):
                                       resume_must_match={"model": args.model,  # the 4-bit base is rebuilt from it
                                                          "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
                                                                  f"targets {args.lora_targets}"})
+    qlora.check_prequantized(checked.model_config, dtype=args.dtype, model=args.model)  # a 4-bit folder: its settings
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
     return args, targets, checked, rows, counts
 
 
 def quantized_classifier_with_lora(args, targets, tokenizer):
-    """The 4-bit base with a new classification head, LoRA adapters on ``targets``: what trains."""
+    """The 4-bit base with a new classification head, LoRA adapters on ``targets``: what trains. A 16-bit --model
+    is quantized as below while it loads; a folder saved in 4-bit loads with its own settings (checked above)."""
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
         bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved

@@ -277,6 +277,8 @@ def assert_merged_classifies_like_base_and_adapter(output: Path, base: Path, mer
     tokenizer = AutoTokenizer.from_pretrained(output / "merged")
     net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=torch.bfloat16,
                                                              pad_token_id=tokenizer.pad_token_id)
+    if getattr(net.config, "quantization_config", None):  # a base saved in 4-bit: the bf16 it dequantizes to
+        net = net.dequantize()
     unmerged = PeftModel.from_pretrained(net, output / "adapter").eval()
     batch = tokenizer([row["text"] for row in heldout], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -293,6 +295,23 @@ def assert_merged_classifies_like_base_and_adapter(output: Path, base: Path, mer
     adapter_card, merged_card = (output / "adapter/README.md").read_text(), (output / "merged/README.md").read_text()
     assert "library_name: peft" in adapter_card and "PeftModel.from_pretrained" in adapter_card
     assert "library_name: transformers" in merged_card and "vLLM" in merged_card
+
+
+def test_make_merge_from_a_4bit_base_dequantizes_it(split_run, tiny_llama3_4bit, tmp_path):
+    """`make merge` of the run that trained on the 4-bit folder: its base dequantized to bf16 with the adapter
+    merged in, predicting what PeftModel over the dequantized base predicts."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    copy = tmp_path / "run"
+    shutil.copytree(split_run(*FROM_4BIT), copy)
+    proc, = wait_all([make_target("merge", f"RUN={copy}")], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = AutoModelForSequenceClassification.from_pretrained(copy / "merged")
+    assert getattr(merged.config, "quantization_config", None) is None  # a plain bf16 model
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert_merged_classifies_like_base_and_adapter(copy, tiny_llama3_4bit, merged)
 
 
 def test_make_merge_exports_a_run_that_finished_without_merging(run, tiny_llama3, tmp_path):
@@ -384,7 +403,7 @@ def test_a_two_node_checkpoint_resumes_on_one_rank(run, recipe_copy, tiny_llama3
 
 
 @pytest.fixture(scope="module")
-def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
+def split_run(recipe_copy, tiny_llama3, tiny_llama3_4bit, tmp_path_factory):
     """A 4-step run of 8 reviews per optimizer step, split as ``ranks x micro-batch x accumulation``: one rank
     on one node, or two nodes of one rank each. ``split_run.ahead(splits)`` runs the one-rank ones among
     ``splits`` side by side, one core each (each on a free port), for ``split_run`` to return."""
@@ -392,7 +411,8 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
 
     def args_of(ranks: int, micro: int, accum: int) -> tuple[list[str], Path]:
         output = tmp_path_factory.mktemp("splits") / "x".join(map(str, (ranks, micro, accum)))
-        return [*sizes(tiny_llama3), *split_args(ranks, micro, accum), "--output", str(output), "--max-steps", "4",
+        model = tiny_llama3_4bit if (ranks, micro, accum) == FROM_4BIT else tiny_llama3
+        return [*sizes(model), *split_args(ranks, micro, accum), "--output", str(output), "--max-steps", "4",
                 "--save-every", "0", *LEVERS_AUTO.get((ranks, micro, accum), ())], output
 
     def one_rank(args: list[str], port: tuple = ()) -> list[str]:
@@ -422,15 +442,23 @@ def split_run(recipe_copy, tiny_llama3, tmp_path_factory):
 
 # the two-node 2 x 2 x 2 ranked for two H100s on this CPU: the split and checkpointing --levers auto picks
 LEVERS_AUTO = {(2, 2, 2): ("--levers", "auto", "--levers-gpu", "h100")}
+# the two-node 2 x 4 x 1 from the same model saved in 4-bit (a *-bnb-4bit folder): its nf4 weights are those the
+# others quantize as they load
+FROM_4BIT = (2, 4, 1)
 
 
 def test_the_same_reviews_split_four_ways_train_one_adapter(split_run):
     """1 x 8 x 1, 1 x 2 x 4, 2 x 2 x 2 and 2 x 4 x 1 (ranks x micro-batch x accumulation): each review's loss over
     the labelled reviews of the whole step. Compared: the LoRA B matrices, which start at zero (finetune_kit.losses'
     unit tests show a short micro-batch weighing no more than a full one, which these full ones cannot). The
-    2 x 2 x 2 runs with --levers auto, which keeps the reviews per step and changes how they are split."""
+    2 x 2 x 2 runs with --levers auto, which keeps the reviews per step and changes how they are split; the
+    2 x 4 x 1 trains from the model saved in 4-bit, the others quantize it as they load."""
     split_run.ahead(SPLITS)
     runs = {split: split_run(*split) for split in SPLITS}
+    from_4bit = read_run_info(runs[FROM_4BIT])
+    assert from_4bit["model"].endswith("bnb-4bit") and all(not read_run_info(runs[s])["model"].endswith("bnb-4bit")
+                                                            for s in SPLITS if s != FROM_4BIT)
+    assert from_4bit["details"]["parameter_classes"] == read_run_info(runs[SPLITS[0]])["details"]["parameter_classes"]
     for split in LEVERS_AUTO:
         record = json.loads((runs[split] / "run_record.json").read_text())["training"]
         assert record["levers"].startswith("levers auto: ") and "the global batch kept" in record["levers"]

@@ -75,6 +75,41 @@ def check_pad_token_fits(tokenizer, model_config, model: str) -> None:
                           "its embeddings. Use a Llama 3.1+ tokenizer (it has <|finetune_right_pad_id|>).")
 
 
+def prequantized(model_config) -> dict | None:
+    """The quantization settings of a folder saved already quantized (config.json's ``quantization_config``, e.g. a
+    ``*-bnb-4bit`` download), or None for a 16-bit folder."""
+    settings = getattr(model_config, "quantization_config", None)
+    if settings is None:
+        return None
+    return settings if isinstance(settings, dict) else settings.to_dict()
+
+
+def check_prequantized(model_config, *, dtype: str, model: str) -> dict | None:
+    """A folder saved in 4-bit trains with its own settings where they agree with the recipe's: bitsandbytes 4-bit,
+    nf4, stored in ``dtype`` (what ZeRO-3 shards); a ConfigError naming both otherwise. None for a 16-bit folder."""
+    settings = prequantized(model_config)
+    if settings is None:
+        return None
+    method = settings.get("quant_method", "an unknown method")
+    if method != "bitsandbytes" or not settings.get("load_in_4bit"):
+        bits = "8-bit" if settings.get("load_in_8bit") else settings.get("bits", "its own format")
+        raise ConfigError(f"--model {model} is saved quantized by {method} ({bits}); this recipe trains on a "
+                          "bitsandbytes 4-bit nf4 base. Pass the 16-bit folder (the recipe quantizes it as it loads) "
+                          "or one saved in bitsandbytes 4-bit nf4.")
+    quant_type = settings.get("bnb_4bit_quant_type", "fp4")  # bitsandbytes' default
+    if quant_type != "nf4":
+        raise ConfigError(f"--model {model} stores its weights as bitsandbytes {quant_type}; this recipe's base is "
+                          "nf4 (normal-float 4-bit). Pass the 16-bit folder (the recipe quantizes it to nf4 as it "
+                          "loads) or a folder saved with bnb_4bit_quant_type='nf4'.")
+    storage = str(settings.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
+    if storage != dtype:
+        raise ConfigError(f"--model {model} stores its 4-bit weights as {storage}; under DeepSpeed ZeRO-3 they must be "
+                          f"stored in the model dtype, --dtype {dtype}, to be sharded with the other parameters. Pass "
+                          "the 16-bit folder (the recipe quantizes it as it loads), or save the 4-bit folder with "
+                          f"bnb_4bit_quant_storage={dtype}.")
+    return settings
+
+
 def bnb_config(dtype: torch.dtype, quant_storage: torch.dtype):
     from transformers import BitsAndBytesConfig
 
@@ -93,16 +128,18 @@ def load_quantized_classifier(model: str, quantization=None, *, pad_token_id: in
     """``AutoModelForSequenceClassification`` with a 4-bit base (frozen) and a new ``score`` head.
 
     ``quantization``: a ``BitsAndBytesConfig`` (None: :func:`bnb_config` of ``dtype`` and
-    ``quant_storage``). Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank
-    loads only its shard. ``pad_token_id`` goes into the config: the classifier reads the last
-    non-pad token of each row and refuses batches of several rows without it.
+    ``quant_storage``) for a 16-bit folder; a folder saved in 4-bit (:func:`prequantized`) loads with its own.
+    Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank loads only its shard.
+    ``pad_token_id`` goes into the config: the classifier reads the last non-pad token of each row and refuses
+    batches of several rows without it.
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     kwargs = {"device_map": device_map} if device_map else {}
+    if not prequantized(AutoConfig.from_pretrained(model)):
+        kwargs["quantization_config"] = quantization or bnb_config(dtype, quant_storage)
     net = AutoModelForSequenceClassification.from_pretrained(
-        model, num_labels=num_labels, quantization_config=quantization or bnb_config(dtype, quant_storage),
-        dtype=dtype, attn_implementation=ATTENTION, **kwargs)
+        model, num_labels=num_labels, dtype=dtype, attn_implementation=ATTENTION, **kwargs)
     net.config.pad_token_id = pad_token_id
     return net
 
@@ -213,13 +250,24 @@ def load_adapter_for_eval(base: str, adapter: str | Path, *, pad_token_id: int, 
     return PeftModel.from_pretrained(net, str(adapter)).eval()
 
 
+def forget_4bit_loading(net):
+    """A dequantized model that saves as a plain one. transformers 5 keeps the loading's 4-bit deserializer
+    (``Bnb4bitDeserialize``) among the model's weight conversions after ``dequantize()``, and ``save_pretrained``
+    then tries to reverse it (NotImplementedError); the weights are plain now, so it goes."""
+    conversions = getattr(net, "_weight_conversions", None) or []
+    net._weight_conversions = [c for c in conversions
+                               if not any("Bnb" in type(op).__name__ for op in getattr(c, "operations", ()))]
+    return net
+
+
 def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                   labels: dict[int, str] | None = None) -> Path:
     """Fold the adapter into an unquantised ``dtype`` copy of the base and save it.
 
     Merging into 4-bit weights would round the update away, so the base is loaded in
-    ``dtype`` (70B in bf16: ~140 GB of host RAM). Run it in a single process, outside
-    ZeRO-3 (the process's DeepSpeed config is unset first). The result loads with plain
+    ``dtype`` (70B in bf16: ~140 GB of host RAM); a base saved in 4-bit (:func:`prequantized`) is loaded as
+    it is and dequantized to ``dtype``, the weights the adapter trained against. Run it in a single process,
+    outside ZeRO-3 (the process's DeepSpeed config is unset first). The result loads with plain
     ``AutoModelForSequenceClassification``; ``labels`` (class id -> name) go into its config, so a
     pipeline or a server names its predictions.
     """
@@ -231,6 +279,8 @@ def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: tor
 
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
+    if prequantized(net.config):
+        net = forget_4bit_loading(net.dequantize(dtype=dtype))  # plain Linear layers in dtype
     net.config.pad_token_id = tokenizer.pad_token_id
     if labels:
         net.config.id2label, net.config.label2id = dict(labels), {name: i for i, name in labels.items()}

@@ -149,6 +149,22 @@ def build_tiny(
     return out
 
 
+def save_4bit(source: str | Path, out: str | Path, *, storage: torch.dtype = torch.bfloat16) -> Path:
+    """A copy of the 16-bit model folder ``source`` saved in 4-bit as the ``*-bnb-4bit`` downloads are: bitsandbytes
+    nf4 with double quantisation, the packed weights stored as ``storage``, config.json carrying the
+    ``quantization_config``; with the tokenizer. bitsandbytes quantizes on a CPU too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune_kit.models.qlora import bnb_config
+
+    out = Path(out)
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=bnb_config(torch.bfloat16, storage),
+                                                 dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_line.ArgumentParser(prog="python -m finetune_tools.tiny_models",
                                          description=__doc__.splitlines()[0])

@@ -53,6 +53,51 @@ def test_zero3_settings_check_the_dtype_names_first():
         qlora.check_zero3_settings(dtype="bfloat16", quant_storage="uint8", device_map=None)
 
 
+SAVED_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+              "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
+              "bnb_4bit_quant_storage": "bfloat16"}  # what finetune_tools.tiny_models.save_4bit writes
+
+
+def saved(**settings) -> SimpleNamespace:
+    return SimpleNamespace(quantization_config={**SAVED_4BIT, **settings})
+
+
+def test_a_4bit_folder_of_the_recipes_settings_is_taken_with_them():
+    assert qlora.check_prequantized(saved(), dtype="bfloat16", model="m") == SAVED_4BIT
+    assert qlora.check_prequantized(SimpleNamespace(), dtype="bfloat16", model="m") is None  # a 16-bit folder
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"bnb_4bit_quant_storage": "uint8"}, "stores its 4-bit weights as uint8; .* --dtype bfloat16"),
+    ({"bnb_4bit_quant_type": "fp4"}, "stores its weights as bitsandbytes fp4; this recipe's base is nf4"),
+    ({"load_in_4bit": False, "load_in_8bit": True}, r"saved quantized by bitsandbytes \(8-bit\)"),
+    ({"quant_method": "gptq", "bits": 4}, r"saved quantized by gptq \(4\)"),
+], ids=["uint8-storage", "fp4", "8-bit", "gptq"])
+def test_a_4bit_folder_that_contradicts_the_recipe_is_refused_naming_both(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        qlora.check_prequantized(saved(**settings), dtype="bfloat16", model="m")
+
+
+def test_a_saved_4bit_folder_round_trips_and_merges_to_plain_bf16(tiny_llama3, tiny_llama3_4bit, tmp_path):
+    """The tiny Llama 3 saved in 4-bit on this CPU: its config carries the recipe's settings, it loads with them (no
+    quantization_config passed), and dequantized it saves as a plain bf16 model."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(tiny_llama3_4bit)
+    assert qlora.check_prequantized(config, dtype="bfloat16", model=str(tiny_llama3_4bit))["bnb_4bit_quant_type"] \
+        == "nf4"
+    net = qlora.load_quantized_classifier(str(tiny_llama3_4bit), pad_token_id=0)
+    fresh = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=0)  # quantized as it loads
+    for (name, a), (_, b) in zip(net.named_parameters(), fresh.named_parameters(), strict=True):
+        if "score" not in name:  # nf4 of the same weights, whichever way (packed bytes compared: some read as NaN)
+            assert torch.equal(a.data.view(torch.int16), b.data.view(torch.int16)), name
+    plain = qlora.forget_4bit_loading(net.dequantize(dtype=torch.bfloat16))
+    plain.save_pretrained(tmp_path / "plain")
+    back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "plain")
+    assert getattr(back.config, "quantization_config", None) is None
+    assert torch.equal(back.model.layers[0].mlp.down_proj.weight, plain.model.layers[0].mlp.down_proj.weight)
+
+
 def test_targets_and_adapter_plan():
     assert qlora.parse_targets("all-linear") == "all-linear"
     assert qlora.parse_targets("q_proj,v_proj") == ["q_proj", "v_proj"]
