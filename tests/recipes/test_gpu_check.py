@@ -21,14 +21,27 @@ pytestmark = pytest.mark.recipe
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu-check")
-    proc = subprocess.run([sys.executable, "-m", "finetune_tools.gpu_check", "--tiny", "--no-save", "--out", str(out)],
-                          cwd=REPO,
+    # --gpu-memory-gib: every rank holds its GPU to 80 GiB, as on an 80 GB H100; on CPU nothing is held, and the
+    # memory plan, the rows and the records still carry it
+    proc = subprocess.run([sys.executable, "-m", "finetune_tools.gpu_check", "--tiny", "--no-save", "--out", str(out),
+                           "--gpu-memory-gib", "80"], cwd=REPO,
                           capture_output=True, text=True, timeout=1800, env=launch_env())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert re.search(r"\d+ of \d+ passed, 0 failed", proc.stdout)
     summary = json.loads((out / "summary.json").read_text())
-    summary["out"] = out
+    summary["out"], summary["stdout"] = out, proc.stdout
     return summary
+
+
+def test_the_memory_cap_reaches_every_rank_row_and_record(summary):
+    from finetune_kit.metering.run_record import RunRecord
+
+    ran = [row for row in summary["cases"] if row["status"] == "ok"]
+    assert ran and all(row["gpu_memory_cap_GiB"] == 80 for row in ran)
+    assert all(RunRecord.read(row["record"]).hardware.gpu_memory_cap_GiB == 80 for row in ran)
+    assert "each rank held to 80 GiB" in summary["stdout"] and "(GPU held to 80 GiB)" in summary["stdout"]
+    log = (summary["out"] / ran[0]["case"] / "run.log").read_text()
+    assert "FINETUNE_GPU_MEMORY_GIB=80: no GPU here, nothing held" in log  # said by the ranks themselves
 
 
 def test_no_save_leaves_no_model_or_adapter(summary):

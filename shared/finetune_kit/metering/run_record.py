@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune_kit.data.counts import DataCounts
+from finetune_kit.launch import memory_cap
 from finetune_kit.metering.flops import device_name
 
 SCHEMA = "finetune-kit/run-record/2"  # 2: hardware.peak_bf16_tflop_per_s_per_device
@@ -48,6 +49,7 @@ class Hardware(_Strict):
     devices: int  # total over all nodes
     nodes: int
     peak_bf16_tflop_per_s_per_device: float | None  # None: CPU or unknown device, no MFU
+    gpu_memory_cap_GiB: float | None = None  # FINETUNE_GPU_MEMORY_GIB: each GPU held to this many GiB
 
 
 class Software(_Strict):
@@ -246,7 +248,8 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
                         params_matmul=arch.matmul_params(num_labels), params_trainable=params_trainable,
                         truncated="truncated" in arch.name),
         hardware=Hardware(device=device_name(), devices=world, nodes=nodes,
-                          peak_bf16_tflop_per_s_per_device=meter.peak_tflops),
+                          peak_bf16_tflop_per_s_per_device=meter.peak_tflops,
+                          gpu_memory_cap_GiB=memory_cap.requested()),
         software=software(),
         training=Training(zero_stage=3 if engine == "fsdp2" else ds_config.get("zero_optimization", {}).get("stage", 0),
                           offload=offload_of(ds_config), engine=engine,

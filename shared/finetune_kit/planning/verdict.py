@@ -408,21 +408,25 @@ def setup_for_fsdp2(**fields) -> Setup:
 
 def local_gpu_memory_GiB() -> float | None:
     """Memory this process's GPU (LOCAL_RANK) has for the launch, in GiB: its free memory as the
-    driver reports it (what another process holds is not there to use), else its total; None
-    without CUDA.
+    driver reports it (what another process holds is not there to use), else its total, at most
+    ``FINETUNE_GPU_MEMORY_GIB`` (:mod:`finetune_kit.launch.memory_cap`); that cap without CUDA, else None.
 
     Asks for LOCAL_RANK's device by index: before the launcher's ranks pick their devices, the
     "current" device is GPU 0 for all of them.
     """
+    from finetune_kit.launch import memory_cap
+
+    cap = memory_cap.requested()
     try:
         import torch
     except ImportError:
-        return None
+        return cap
     if not torch.cuda.is_available():
-        return None
+        return cap
     index = env.view().local_rank % torch.cuda.device_count()
     info = gpus.memory_GiB(index)
-    return info["free"] if info else torch.cuda.get_device_properties(index).total_memory / GiB
+    have = info["free"] if info else torch.cuda.get_device_properties(index).total_memory / GiB
+    return have if cap is None else min(have, cap)
 
 
 def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,

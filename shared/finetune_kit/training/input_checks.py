@@ -21,7 +21,7 @@ from pathlib import Path
 
 from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError, DataError
-from finetune_kit.launch import config_checks, cuda_allocator, cuda_ops, env, fsdp, nvme
+from finetune_kit.launch import config_checks, cuda_allocator, cuda_ops, env, fsdp, memory_cap, nvme
 from finetune_kit.metering import prometheus, trackers
 from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
@@ -231,8 +231,10 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
             num_labels: int | None = None, data_ranks: int | None = None) -> CheckedLaunch:
-    """The checks both front ends share, in order: memory, the model's tokenizer files, engine needs, metrics,
-    output, resume, disk."""
+    """The checks both front ends share, in order: the GPU memory cap, memory, the model's tokenizer files, engine
+    needs, metrics, output, resume, disk."""
+    if (capped := memory_cap.apply()) and env.is_main_rank():  # before the model or data reach the GPU
+        print(capped, file=sys.stderr)
     plan = verdict.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
                             **memory_kwargs)
     models.check_tokenizer_files(model)

@@ -237,3 +237,44 @@ def test_the_long_context_model_has_llama_3_1s_rope_scaling():
     rope = LlamaConfig(**check_config("llama3.1-8b", 2, tiny=True, max_positions=524288)).rope_parameters
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
     assert rope["original_max_position_embeddings"] == 8192
+
+
+BRACKETS = ablation.BRACKET_VARIANTS
+UNDER_80 = [v for v in BRACKETS if v.probe == ablation.H100_BRACKET]
+ON_H200 = [v for v in BRACKETS if v.probe == ablation.H200_BRACKET]
+BRACKET_BUDGET_S = 400  # --time-budget of a bracket command: no row starts after it (docs/gpu.md)
+
+
+def test_the_brackets_aim_at_alsts_500k_and_1_2m_and_stay_out_of_the_full_ablation():
+    assert [v.seq_len // K for v in UNDER_80] == [448, 480, 384]  # the first, then the longer or the shorter
+    assert [v.seq_len // K for v in ON_H200] == [1024, 1228, 768]
+    assert not set(BRACKETS) & set(ablation.VARIANTS) and all(ablation.BY_NAME[v.name] is v for v in BRACKETS)
+    assert {v.case for v in UNDER_80} == {LONG_EXTENDED} and {EVERY_CASE[v.case].layers for v in ON_H200} == {1}
+    for v in BRACKETS:
+        assert {"--tiled-mlp", "--offload-activations"} <= set(v.flags) and v.seq_len <= positions(EVERY_CASE[v.case])
+        assert v.seq_len % ablation.LOSS_CHUNK_TOKENS == 0 and f"{EVERY_CASE[v.case].layers} decoder layer" in v.note
+
+
+@pytest.mark.parametrize("rows", [UNDER_80, ON_H200], ids=["80gib", "h200"])
+def test_a_bracket_command_fits_nine_minutes_whichever_way_its_first_row_goes(rows):
+    """The first row, and the next one when the first fit and the budget was not spent when it ended: predicted
+    within one command with the set-up (a row that runs out of memory stops sooner than its prediction)."""
+    setup, first, second = ablation.setup_seconds(rows), *map(ablation.expected_seconds, rows[:2])
+    worst = setup + first + (second if setup + first < BRACKET_BUDGET_S else 0)
+    print(f"{rows[0].probe}: set-up {setup:.0f} s, {rows[0].name} {first:.0f} s, {rows[1].name} {second:.0f} s: at "
+          f"most {worst:.0f} s")
+    assert worst <= COMMAND_S
+
+
+@pytest.mark.parametrize("variant", BRACKETS, ids=lambda v: v.name)
+def test_every_bracket_row_passes_the_recipes_own_flag_parser(variant, monkeypatch):
+    test_every_long_row_passes_the_recipes_own_flag_parser(variant, monkeypatch)
+
+
+def test_a_bracket_whose_first_row_runs_out_tries_the_shorter_one(monkeypatch, tmp_path):
+    ran = fake_recipe_runs(monkeypatch, out_of_memory_above=400 * K)
+    code = runner.main(["--ablation", "--variants", ",".join(v.name for v in UNDER_80), "--tiny", "--out",
+                        str(tmp_path), "--root", str(REPO), "--gpu-memory-gib", "80"])
+    rows = json.loads((tmp_path / "summary.json").read_text())["cases"]
+    assert code == 0 and ran == ["8b-longest-448k", "8b-longest-384k"]
+    assert [r["status"] for r in rows] == ["out of memory", "not run", "ok"]

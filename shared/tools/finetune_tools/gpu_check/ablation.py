@@ -157,19 +157,28 @@ EXTENDED_NOTE = (LONG_NOTE + "; the check model's max_position_embeddings is rai
                  "128K): a memory and speed probe, not a context the model was trained for")
 
 
+MILLION_NOTE = (f"measured at {cases.EVERY_CASE[cases.LONG_MILLION].layers} decoder layer; the full depth's peak GPU "
+                "memory is the planner's prediction from the measured per-layer figure: each further layer adds its "
+                "bf16 weights and gradients (0.81 GiB) and, with checkpoints on the GPU, 8 KiB per token (predicted); "
+                "the check model's max_position_embeddings is raised to 2M (Llama 3.1 publishes 128K): a memory and "
+                "speed probe, not a context the model was trained for")
+
+
 def long_row(name: str, seq_len: int, lever: str, *, tiled_mlp: bool = True, offload: bool = True,
              pack: bool = False, probe: str = "") -> Variant:
     """A long-context row: the loss in chunks of LOSS_CHUNK_TOKENS, checkpointing on (the recipe's
     default), one warm-up step left out of the record's medians; rows past 128K on the model whose
     positions reach 512K, one step measured whole."""
     extended = seq_len > cases.positions(cases.EVERY_CASE[cases.LONG])
+    case = (cases.LONG_MILLION if seq_len > cases.positions(cases.EVERY_CASE[cases.LONG_EXTENDED]) else
+            cases.LONG_EXTENDED if extended else cases.LONG)
     steps = LONGEST_STEPS if extended else LONG_STEPS
     flags = ["--loss-chunks", str(seq_len // LOSS_CHUNK_TOKENS), "--meter-warmup-steps", str(min(1, steps - 1)),
              *(["--tiled-mlp"] if tiled_mlp else []), *(["--offload-activations"] if offload else []),
              *(["--pack"] if pack else [])]
-    return Variant(name, cases.LONG_EXTENDED if extended else cases.LONG, 1, 1, seq_len=seq_len, flags=tuple(flags),
-                   lever=lever, data="long-documents" if pack else None, probe=probe,
-                   steps=steps, note=EXTENDED_NOTE if extended else LONG_NOTE)
+    note = MILLION_NOTE if case == cases.LONG_MILLION else EXTENDED_NOTE if extended else LONG_NOTE
+    return Variant(name, case, 1, 1, seq_len=seq_len, flags=tuple(flags), lever=lever,
+                   data="long-documents" if pack else None, probe=probe, steps=steps, note=note)
 
 
 LONGEST = "8b-longest"  # the probe: tiled MLP, checkpoints in host memory, chunked loss, micro-batch 1
@@ -188,7 +197,23 @@ LONG_VARIANTS = [
       for k in (32, 64, 128, 256, 512)),
 ]
 VARIANTS += LONG_VARIANTS
-BY_NAME = {v.name: v for v in VARIANTS}
+
+# The longest sequence one GPU trains, bracketed against DeepSpeed ALST's published limits on one GPU: 500K on an
+# 80 GB H100 (555K fails) and 1.2M on an H200. Not in the full ablation: each is a command of its own.
+# Under an 80 GiB cap (--gpu-memory-gib 80), at 2 layers: 448K first, then 480K if it fit, else 384K (a probe row
+# longer than one that ran out of memory is not run). On the whole H200, at 1 layer: 1M first, then 1.2M if it fit,
+# else 768K.
+H100_BRACKET, H200_BRACKET = f"{LONGEST}-80gib", f"{LONGEST}-1layer"
+BRACKET_VARIANTS = [
+    *(long_row(f"{LONGEST}-{k}k", k * K, probe=H100_BRACKET,
+               lever=f"{k}K tokens: tiled MLP, checkpoints in host memory (the longest under 80 GiB, against ALST's "
+                     "500K on one H100)") for k in (448, 480, 384)),
+    *(long_row(f"{LONGEST}-{name}", k * K, probe=H200_BRACKET,
+               lever=f"{label} tokens at 1 layer: tiled MLP, checkpoints in host memory (the longest on one H200, "
+                     "against ALST's 1.2M)")
+      for name, k, label in (("1m", 1024, "1M"), ("1.2m", 1228, "1.2M"), ("768k", 768, "768K"))),
+]
+BY_NAME = {v.name: v for v in VARIANTS + BRACKET_VARIANTS}
 
 # Seconds one variant of each case takes on one H100 from launch to exit at accumulation 4, 8 steps,
 # measured there (launch, DeepSpeed set-up, loading the prebuilt synthetic model, the steps): the

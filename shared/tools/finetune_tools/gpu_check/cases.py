@@ -63,12 +63,16 @@ CASES = [
 ]
 OFFLOAD_1GPU = (*ACCELERATE_1GPU, "--config_file", "configs/zero3-offload.yaml")
 LONG, LONG_EXTENDED = "llama3.1-8b-zero3-offload-long", "llama3.1-8b-zero3-offload-512k"
+LONG_MILLION = "llama3.1-8b-zero3-offload-2m"  # past 512K: one decoder layer, positions to 2M
 LONG_CASES = [
     Case(LONG, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=2, seq_len=32 * 1024,
          micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1")),
     # past the published 128K the recipe refuses a longer --max-seq-len: the same shape with more positions
     Case(LONG_EXTENDED, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=2, seq_len=512 * 1024,
          micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1"), max_positions=512 * 1024),
+    # toward a million tokens a 2-layer step takes about 10 minutes: one layer, whose GPU working set is the same
+    Case(LONG_MILLION, "llama3-8b-zero3", "llama3.1-8b", "llama3", "instructions", layers=1, seq_len=1024 * 1024,
+         micro_batch=1, launcher=OFFLOAD_1GPU, flags=("--sequence-parallel", "1"), max_positions=2048 * 1024),
 ]
 FP8_FSDP2 = "llama3-8b-zero3-fsdp2-fp8"
 FP8_CASES = [

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from finetune_kit import command_line
-from finetune_kit.launch import cuda_allocator
+from finetune_kit.launch import cuda_allocator, memory_cap
 from finetune_tools.gpu_check import ablation, host_check
 from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, cpu_adam, recipe_flags
 from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
@@ -114,6 +114,8 @@ def run_case(case: Case, root: Path, out: Path, model: Path, *, layers: int, ste
         row = {"run": name, **row}
     if extra:
         row["extra_flags"] = list(extra)
+    if (cap := memory_cap.requested()) is not None:  # every rank of the case holds its GPU to it
+        row["gpu_memory_cap_GiB"] = cap
     flags = [*case.flags, *extra]
     sp = int(flags[flags.index("--sequence-parallel") + 1]) if "--sequence-parallel" in flags else 1
     levers = cuda_allocator.long_context(tiled_mlp="--tiled-mlp" in flags, sequence_parallel=sp,
@@ -199,7 +201,9 @@ def summary_table(rows: list[dict]) -> str:
         header[1:1] = ["mb x ga", "speed-up"]
     body = []
     for r in rows:
-        line = [r.get("run", r["case"]), r["status"], _fmt(r.get("seconds")), _fmt(r.get("tokens_per_s_per_device"), 0),
+        cap = f" (GPU held to {r['gpu_memory_cap_GiB']:g} GiB)" if r.get("gpu_memory_cap_GiB") else ""
+        line = [r.get("run", r["case"]) + cap, r["status"], _fmt(r.get("seconds")),
+                _fmt(r.get("tokens_per_s_per_device"), 0),
                 _fmt(r.get("model_tflop_per_s_per_device"), 3), _fmt(r.get("mfu_percent")),
                 _fmt(r.get("peak_gpu_allocated_GiB")), _fmt(r.get("peak_gpu_reserved_GiB")),
                 _fmt(r.get("peak_gpu_device_GiB")), _fmt(r.get("predicted_gpu_GiB")),
@@ -234,6 +238,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip each case's final model save (the save path is tested on CPU)")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds before a case is stopped (default: none)")
     p.add_argument("--extra", default="", help="recipe flags added to every case (e.g. '--no-gradient-checkpointing')")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="hold every rank's GPU to this many GiB (FINETUNE_GPU_MEMORY_GIB in each case's ranks): a "
+                        "smaller GPU's limits on a larger one, e.g. 80 for an 80 GB H100 on an H200; each row and "
+                        "record names it")
     p.add_argument("--out", type=Path, default=Path("out/gpu-check"), help="models, data, outputs, records")
     p.add_argument("--root", type=Path, default=None, help="repository root (default: found from here)")
     return p.parse_args(argv)
@@ -245,6 +253,9 @@ def main(argv=None) -> int:
     import torch
 
     args = parse_args(argv)
+    if args.gpu_memory_gib is not None:  # the cases' ranks inherit it, and apply it before anything allocates
+        os.environ[memory_cap.ENV] = f"{args.gpu_memory_gib:g}"
+        memory_cap.requested()  # a bad value: one line, before anything is built
     started = time.monotonic()
     gpu = torch.cuda.is_available()  # counts devices; creates no CUDA context in this process
     tiny = (not gpu) if args.tiny is None else args.tiny
@@ -269,7 +280,8 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = gpu_memory() if gpu else None
-    print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}: "
+    held = f", each rank held to {args.gpu_memory_gib:g} GiB" if args.gpu_memory_gib else ""
+    print(f"GPU check on {info['name'] if info else 'CPU'}{' (tiny width)' if tiny else ''}{held}: "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; out {out}", flush=True)
     cases = [EVERY_CASE[n] for n in names]
     extra = tuple(shlex.split(args.extra))
