@@ -86,8 +86,7 @@ def check_inputs(argv=None):
 
 
 def quantized_classifier_with_lora(args, targets, tokenizer):
-    """The 4-bit base with a new classification head, LoRA adapters on ``targets``: what trains. A 16-bit --model
-    is quantized as below while it loads; a folder saved in 4-bit loads with its own settings (checked above)."""
+    """What trains: the 4-bit base (quantized as below while it loads, or a 4-bit folder as saved), LoRA, a head."""
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
         bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved

@@ -272,6 +272,9 @@ def test_every_bracket_row_passes_the_recipes_own_flag_parser(variant, monkeypat
 
 
 def test_a_bracket_whose_first_row_runs_out_tries_the_shorter_one(monkeypatch, tmp_path):
+    from finetune_kit.launch import memory_cap
+
+    monkeypatch.setenv(memory_cap.ENV, "80")  # what --gpu-memory-gib exports, undone after the test
     ran = fake_recipe_runs(monkeypatch, out_of_memory_above=400 * K)
     code = runner.main(["--ablation", "--variants", ",".join(v.name for v in UNDER_80), "--tiny", "--out",
                         str(tmp_path), "--root", str(REPO), "--gpu-memory-gib", "80"])
