@@ -8,9 +8,9 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
   skips the masked blocks), plus the forward again of the decoder layers checkpointing recomputes (all of them, or
   every ``recompute_every``-th) and, with the chunked loss, of the LM head. ``efficiency`` is the share of the peak
   a GPU reaches while it computes (kernels, launch gaps folded in); it is fitted on measured and published runs
-  (:func:`fit_efficiency`), one value per method (full fine-tuning, frozen base). Compiled decoder layers take
-  ``Efficiency.compiled`` of that time, fitted on pairs of runs that differ only in compilation
-  (:func:`fit_compiled`).
+  (``finetune_tools.planning.speed_fit``), one value per method (full fine-tuning, frozen base). Compiled decoder
+  layers take ``Efficiency.compiled`` of that time, fitted on pairs of runs that differ only in compilation
+  (``speed_fit.fit_compiled``).
 * **communication**: the bytes each GPU sends in the step's collectives over the slowest link of the
   ring, the seed's T = 2(N-1)/N x M / B generalised: an all-gather or a reduce-scatter of M bytes
   moves (N-1)/N x M per GPU, an all-reduce twice that. Per micro-batch under ZeRO-3/FSDP2: the bf16
@@ -39,31 +39,23 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
   (``Cluster.host_cores``) at a rate per core fitted on the offloaded runs measured here, at most what the host's
   memory bandwidth (``Cluster.host_memory_GBps``) streams at :data:`ADAM_BYTES` a parameter.
 
-* **fp8 matmuls** (``--fp8``, torchao's float8 linear layers; :func:`predict_fp8`): the share of the model
-  FLOPs that the converted layers carry (:func:`fp8_share`: 6 x the parameters of the decoder's linear layers,
-  not the LM head, not attention's 12LHQT) runs at the GPU's fp8 peak, the rest at the bf16 peak, both at the
-  same fitted ``efficiency``; plus the time fp8 adds (:func:`fp8_overhead`), as a fraction of what the covered
-  matmuls take in bf16: the casts to fp8 with their amax reductions, and fp8 matmuls reaching less of their
-  peak than bf16 ones. Compiled, that fraction is fitted on torchao's published Llama 3 8B pair per scaling
-  recipe (:data:`FP8_PUBLISHED`); uncompiled, each cast is its own unfused kernels, an assumption stated at
-  :data:`UNFUSED_CASTS`. Communication, the optimizer step and offload stay as in bf16 (the weights are
-  gathered in bf16).
-
 Overlap is an assumption, stated as a range: the fast end hides the communication behind the
 compute (step = max(compute, communication) + offload), the slow end does not (their sum); the
 point estimate is their middle. The dominant term is the largest of compute, intra-node,
 inter-node and offload time.
+
+This is what a recipe's ``--levers auto`` ranks with (:mod:`.levers`). Fitting the constants on runs of known speed
+(``finetune_tools.planning.speed_fit``) and fp8's speed (``finetune_tools.planning.fp8_speed``) are the tools'.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from finetune_kit.metering.flops import FlopCounter
-from finetune_kit.models import fp8
-from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
-from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, Gpu, Network
+from finetune_kit.models.shapes import Adapter, ModelShape
+from finetune_kit.planning.hardware import LINK_EFFICIENCY, NETWORKS, Gpu, Network
 
 BF16 = 2
 FP32 = 4
@@ -350,239 +342,3 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
     if job.offload_optimizer:
         offload = offload_pcie_s(job, cluster) + cpu_adam_s(job, cluster, eff)
     return Prediction(tokens, matmul, optimizer, intra, inter, offload)
-
-
-# ---- fp8 matmuls (torchao float8 linear layers) ----
-
-# Published fp8 speed-ups the compiled overhead is fitted on, per scaling recipe: (bf16, fp8) tokens/s per GPU of
-# the torchao float8 README's training benchmark (Llama 3 8B, 8 x H100, FSDP2, torch.compile, batch 1 x 8,192
-# tokens, torchao 0.10; https://github.com/pytorch/ao/blob/main/torchao/float8/README.md). Its selective
-# checkpointing is modelled as full checkpointing, as for every run; its tensorwise run gathered the weights in
-# fp8, which the model leaves out: the weight gathers are under 10% of that step.
-FP8_PUBLISHED = {"tensorwise": (6150.0, 7689.5), "rowwise": (6150.0, 6768.0)}
-FP8_PUBLISHED_SEQ_LEN = 8192
-
-# Assumption: what the casts cost on top when nothing fuses them (no torch.compile), as a fraction of the covered
-# matmuls' bf16 time. Unfused, each cast is an amax reduction, a scale and a saturated cast, each its own kernel
-# reading and writing the whole bf16 tensor, for every operand of the forward, the recomputed forward and the
-# backward. Basis: torchao's float8 FFN at width 4,096 on one H100 (https://github.com/pytorch/ao/issues/685)
-# took 1.14x the bf16 time uncompiled and 0.61x compiled, a difference of about half the bf16 time.
-UNFUSED_CASTS = 0.5
-
-
-def fp8_share(job: Job) -> float:
-    """Share of the job's model FLOPs per token that fp8 matmuls carry: 6 x the parameters of the decoder's linear
-    layers that convert (:func:`finetune_kit.models.fp8.keeps_fp8`: both widths multiples of 16; never the LM head)
-    over :meth:`Job.flops_per_token`. The rest, the head and attention's 12LHQT, stays bf16."""
-    converted = sum(i * o for i, o in job.shape.linear_shapes().values()
-                    if i % fp8.ALIGNMENT == 0 and o % fp8.ALIGNMENT == 0)
-    return 6 * job.shape.num_hidden_layers * converted / job.flops_per_token()
-
-
-def check_fp8(job: Job, gpu: Gpu, recipe: str) -> None:
-    """ConfigError where ``--fp8 recipe`` cannot run or cannot gain, as the recipes refuse it
-    (:func:`finetune_kit.models.fp8.check`)."""
-    from finetune_kit.errors import ConfigError
-
-    if recipe not in FP8_PUBLISHED:
-        raise ConfigError(f"--fp8 {recipe}: not one of {', '.join(FP8_PUBLISHED)}.")
-    if gpu.peak_fp8_tflops is None:
-        raise ConfigError(f"--fp8 {recipe} on {gpu.name}: it has no fp8 tensor cores (its profile has no fp8 peak); "
-                          "fp8 matmuls need compute capability 8.9 or above. Use --gpu h100 or h200, or drop --fp8.")
-    if job.adapter is not None:
-        raise ConfigError(f"--fp8 {recipe} on a LoRA/QLoRA plan: the frozen base computes in bf16 and the LoRA "
-                          "matrices are too small for fp8 matmuls to gain. Drop --fp8.")
-
-
-def _with_fp8(base: Prediction, share: float, gpu: Gpu, overhead: float) -> Prediction:
-    covered = base.matmul_s * share  # bf16 seconds of the matmuls that turn fp8
-    fp8_matmul = covered * gpu.peak_bf16_tflops / gpu.peak_fp8_tflops
-    return replace(base, matmul_s=base.matmul_s - covered + fp8_matmul + overhead * covered)
-
-
-def fit_fp8_overhead(job: Job, cluster: Cluster, speedup: float, efficiency: Efficiency | None = None) -> float:
-    """The overhead (a fraction of the covered matmuls' bf16 time) at which the model predicts ``speedup``, fp8's
-    tokens/s over bf16's, for ``job`` on ``cluster``, by bisection; 0 where even no overhead falls short."""
-    base = predict(job, cluster, efficiency)
-    share = fp8_share(job)
-
-    def predicted(overhead: float) -> float:
-        return base.step_s / _with_fp8(base, share, cluster.gpu, overhead).step_s
-
-    low, high = 0.0, 16.0
-    if predicted(low) <= speedup:
-        return 0.0
-    for _ in range(80):
-        middle = (low + high) / 2
-        low, high = (middle, high) if predicted(middle) > speedup else (low, middle)
-    return (low + high) / 2
-
-
-def fitted_fp8_overhead(recipe: str, efficiency: Efficiency | None = None) -> float:
-    """The compiled overhead at which the model reproduces the published speed-up of ``recipe``
-    (:data:`FP8_PUBLISHED`: torchao's Llama 3 8B on 8 H100s)."""
-    bf16, fp8_speed = FP8_PUBLISHED[recipe]
-    job = Job(resolve_model("llama3-8b"), seq_len=FP8_PUBLISHED_SEQ_LEN, micro_batch=1, engine="fsdp2")
-    return fit_fp8_overhead(job, Cluster(GPUS["h100"], 8, 1), fp8_speed / bf16, efficiency)
-
-
-def fp8_key(recipe: str, compiled: bool) -> str:
-    """The key of :attr:`Efficiency.fp8_overhead`: ``"tensorwise compiled"``, ``"rowwise uncompiled"``."""
-    return f"{recipe} {'compiled' if compiled else 'uncompiled'}"
-
-
-def fp8_cost(recipe: str, compiled: bool, efficiency: Efficiency | None = None) -> tuple[float, str]:
-    """What fp8 adds, as a fraction of the covered matmuls' bf16 time, and where that figure comes from:
-
-    * fitted on a measured pair of this scaling and compile setting (``efficiency.fp8_overhead``);
-    * uncompiled, with this scaling measured compiled and another scaling measured both ways: this scaling's
-      compiled cost plus the unfused casts' measured cost of the other (predicted);
-    * else the compiled cost fitted on torchao's published pair (:data:`FP8_PUBLISHED`), plus
-      :data:`UNFUSED_CASTS` (an assumption) when not compiled (predicted)."""
-    measured = (efficiency or Efficiency()).fp8_overhead
-    key = fp8_key(recipe, compiled)
-    if key in measured:
-        return measured[key], "fitted on a measured pair"
-    both = [r for r in FP8_PUBLISHED if fp8_key(r, True) in measured and fp8_key(r, False) in measured]
-    if not compiled and fp8_key(recipe, True) in measured and both:
-        casts = measured[fp8_key(both[0], False)] - measured[fp8_key(both[0], True)]
-        return (measured[fp8_key(recipe, True)] + casts,
-                f"predicted: its measured compiled cost plus {both[0]}'s measured unfused casts")
-    return (fitted_fp8_overhead(recipe, efficiency) + (0.0 if compiled else UNFUSED_CASTS),
-            "predicted: torchao's published pair" + ("" if compiled else " plus assumed unfused casts"))
-
-
-def fp8_overhead(recipe: str, compiled: bool, efficiency: Efficiency | None = None) -> float:
-    """What fp8 adds, as a fraction of the covered matmuls' bf16 time (:func:`fp8_cost`)."""
-    return fp8_cost(recipe, compiled, efficiency)[0]
-
-
-def predict_fp8(job: Job, cluster: Cluster, efficiency: Efficiency | None = None, recipe: str = "tensorwise",
-                compiled: bool = False) -> Prediction:
-    """:func:`predict` with the decoder's linear layers in fp8 (torchao float8, ``recipe`` scaling), each decoder
-    layer through torch.compile or not."""
-    check_fp8(job, cluster.gpu, recipe)
-    base = predict(job, cluster, efficiency)
-    return _with_fp8(base, fp8_share(job), cluster.gpu, fp8_overhead(recipe, compiled, efficiency))
-
-
-# ---- fitting the efficiencies on runs with a known speed ----
-
-@dataclass(frozen=True)
-class Observation:
-    """A run whose speed is known: its job, its cluster, tokens/s per GPU as measured or published."""
-
-    name: str
-    job: Job
-    cluster: Cluster
-    tokens_per_s_per_gpu: float
-    source: str = "published"  # "published" | "measured"
-    fitted: bool = True  # False: predicted and compared, kept out of every fit (a source too vague to fit on)
-    fp8: str = ""  # torchao float8 scaling of an fp8 run ("tensorwise", "rowwise"); "" for bf16. Never fitted.
-    compiled: bool = False  # decoder layers through torch.compile (what fp8's cost depends on)
-
-    def __post_init__(self):
-        if self.fp8 and self.fitted:
-            raise ValueError(f"{self.name}: an fp8 run is compared, never fitted (the fit is of bf16 compute)")
-
-
-def predict_observation(obs: Observation, efficiency: Efficiency | None = None) -> Prediction:
-    """:func:`predict`, or :func:`predict_fp8` for an fp8 run."""
-    if obs.fp8:
-        return predict_fp8(obs.job, obs.cluster, efficiency, obs.fp8, obs.compiled)
-    return predict(obs.job, obs.cluster, efficiency)
-
-
-def fit_efficiency(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
-    """The compute shares and step times on the uncompiled fitted runs, then torch.compile's factor on the
-    compiled ones (:func:`fit_compiled`)."""
-    observations = [o for o in observations if o.fitted]
-    eff = _fit([o for o in observations if not o.job.compiled], start)
-    return replace(eff, compiled=fit_compiled(observations, eff))
-
-
-def _fit(observations: list[Observation], start: Efficiency | None = None) -> Efficiency:
-    """Weighted least squares on each run's step time (relative errors), the communication and
-    offload terms held at the model's values and overlap at the point estimate: per method, one
-    compute share per GPU family with two or more runs (the others share the method's) and one
-    per-parameter step time per optimizer kind; then CPU Adam's rate from the offloaded runs."""
-    import numpy as np
-
-    eff = start or Efficiency()
-    compute, per_param = dict(eff.compute), dict(eff.step_s_per_param)
-    runs = [o for o in observations if not o.job.offload_optimizer]
-    kinds = sorted({optimizer_kind(o.job) for o in runs})
-    columns_per_param, rows, targets, groups = [(k, None) for k in kinds], [], [], []
-    for method in sorted(compute):
-        mine = [o for o in runs if o.job.method == method]
-        sizes: dict[str, int] = {}
-        for o in mine:
-            sizes[family(o.cluster.gpu)] = sizes.get(family(o.cluster.gpu), 0) + 1
-        own = [f for f, n in sorted(sizes.items()) if n >= 2] if len(sizes) > 1 else []
-        groups += [(method, f) for f in own] + [(method, None)] * bool(set(sizes) - set(own))  # None: the rest
-        for o in mine:
-            unit = predict(o.job, o.cluster, Efficiency({method: 1.0}, dict.fromkeys(kinds, 0.0),
-                                                        eff.adam_params_per_s_per_core, eff.compiled))
-            step = unit.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
-            shard = o.job.trainable() / (o.cluster.gpus if o.job.stage >= 1 else 1)
-            group = (method, family(o.cluster.gpu) if family(o.cluster.gpu) in own else None)
-            rows.append((group, unit.matmul_s / step, optimizer_kind(o.job), shard / step))
-            targets.append((step - unit.communication_s / 2) / step)
-    if rows:
-        matrix = [[x * (g == group) for group in groups] + [y * (k == kind) for kind, _ in columns_per_param]
-                  for g, x, k, y in rows]
-        matrix = np.array(matrix)
-        scale = np.where(np.abs(matrix).max(axis=0) > 0, np.abs(matrix).max(axis=0), 1.0)  # columns of one size
-        solution = np.linalg.lstsq(matrix / scale, np.array(targets), rcond=None)[0] / scale
-        inverses, seconds = solution[:len(groups)], solution[len(groups):]
-        for (method, fam), inverse in zip(groups, inverses, strict=True):
-            if inverse > 1:  # a share of the peak above 1 is no fit: keep the previous value
-                compute[method if fam is None else f"{method} on {fam}"] = 1 / float(inverse)
-        for (kind, _), value in zip(columns_per_param, seconds, strict=True):
-            per_param[kind] = max(0.0, float(value))
-        for method in compute.copy():  # a method fitted per family only: its fallback is their mean
-            families = [v for k, v in compute.items() if k.startswith(f"{method} on ")]
-            if families and (method, None) not in groups and " on " not in method:
-                compute[method] = math.exp(sum(map(math.log, families)) / len(families))
-    eff = Efficiency(compute, per_param, eff.adam_params_per_s_per_core, eff.compiled)
-    rates = []
-    for o in observations:
-        if not o.job.offload_optimizer:
-            continue
-        base = predict(o.job, o.cluster, eff)
-        step = base.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu
-        adam = step - (base.step_s - base.offload_s) - offload_pcie_s(o.job, o.cluster)
-        if adam > 0:  # the rate per core at which CPU Adam takes the rest of the step
-            rates.append(o.job.trainable() / o.cluster.nodes / adam / o.cluster.host_cores)
-    if rates:
-        eff = replace(eff, adam_params_per_s_per_core=math.exp(sum(map(math.log, rates)) / len(rates)))
-    return eff
-
-
-def fit_compiled(observations: list[Observation], efficiency: Efficiency) -> float:
-    """``Efficiency.compiled`` from the pairs of fitted runs that differ only in torch.compile (same job otherwise,
-    same GPUs): the compiled matmul time over the uncompiled, 1 + (compiled step - uncompiled step) / the uncompiled
-    matmul time the model gives; their geometric mean, or 1 without a pair. A pair holds the rest of the step
-    equal, so the model's errors elsewhere stay out of this factor."""
-    runs = [o for o in observations if o.fitted]
-    ratios = []
-    for c in (o for o in runs if o.job.compiled):
-        for u in (o for o in runs if not o.job.compiled and o.job == replace(c.job, compiled=False)
-                  and o.cluster == c.cluster):
-            p = predict(u.job, u.cluster, replace(efficiency, compiled=1.0))
-            seconds = [p.tokens_per_step / o.cluster.gpus / o.tokens_per_s_per_gpu for o in (c, u)]
-            ratio = 1 + (seconds[0] - seconds[1]) / p.matmul_s
-            if ratio > 0:
-                ratios.append(ratio)
-    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 1.0
-
-
-def held_out_errors(observations: list[Observation], fp8_overhead: dict | None = None) -> dict[str, float]:
-    """Each observation predicted by the efficiencies fitted on all the other fitted ones: the relative error
-    (predicted / observed - 1) per observation name. fp8 runs take their cost from ``fp8_overhead`` (fitted on
-    measured pairs, :attr:`Efficiency.fp8_overhead`)."""
-    out = {}
-    for i, obs in enumerate(observations):
-        fitted = replace(fit_efficiency(observations[:i] + observations[i + 1:]), fp8_overhead=fp8_overhead or {})
-        out[obs.name] = predict_observation(obs, fitted).tokens_per_s(obs.cluster.gpus) / obs.tokens_per_s_per_gpu - 1
-    return out

@@ -14,16 +14,13 @@ import pytest
 from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning.hardware import GPUS
-from finetune_kit.planning.speed import (
+from finetune_kit.planning.speed import Cluster, Job, calibrated, predict
+from finetune_tools.planning.fp8_speed import (
     FP8_PUBLISHED,
     UNFUSED_CASTS,
-    Cluster,
-    Job,
-    calibrated,
     fitted_fp8_overhead,
     fp8_overhead,
     fp8_share,
-    predict,
     predict_fp8,
 )
 from tests.harness import REPO

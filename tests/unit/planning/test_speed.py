@@ -10,16 +10,8 @@ import pytest
 
 from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
-from finetune_kit.planning.speed import (
-    Cluster,
-    Efficiency,
-    Job,
-    Observation,
-    bytes_per_step,
-    fit_efficiency,
-    held_out_errors,
-    predict,
-)
+from finetune_kit.planning.speed import Cluster, Efficiency, Job, bytes_per_step, predict
+from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors
 from tests.harness import REPO
 
 LLAMA3_8B = resolve_model("llama3-8b")
@@ -129,7 +121,7 @@ def test_published_rows_held_out_or_for_reference_never_move_the_fit():
 
 
 def test_published_fp8_rows_are_predicted_with_the_cost_fitted_on_measured_pairs():
-    from finetune_kit.planning.speed import predict_fp8
+    from finetune_tools.planning.fp8_speed import predict_fp8
     from finetune_tools.results import calibration, fp8_pairs
 
     rows = [o for o, _ in calibration.observations(REPO / "results")]

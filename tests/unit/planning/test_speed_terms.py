@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from finetune_kit.models.shapes import resolve_model
 from finetune_kit.planning import speed
+from finetune_kit.planning.hardware import GPUS
+from finetune_tools.planning import speed_fit
 from finetune_tools.planning.gpu_records import one_gpu_records
 from finetune_tools.results import calibration
 
@@ -105,7 +108,7 @@ def test_the_offloaded_step_from_the_host_cores_and_the_gradients_per_micro_batc
     rest = [o for o in observations if not o.job.offload_optimizer]
 
     def error() -> float:
-        fitted = speed.fit_efficiency([*rest, one])
+        fitted = speed_fit.fit_efficiency([*rest, one])
         return speed.predict(eight.job, eight.cluster, fitted).tokens_per_s(1) / eight.tokens_per_s_per_gpu - 1
 
     per_micro_batch = error()
@@ -117,9 +120,9 @@ def test_the_offloaded_step_from_the_host_cores_and_the_gradients_per_micro_batc
 
 
 def test_cpu_adam_scales_with_the_host_cores_up_to_its_memory_bandwidth():
-    job = speed.Job(speed.resolve_model("llama3-8b"), offload_optimizer=True)
+    job = speed.Job(resolve_model("llama3-8b"), offload_optimizer=True)
     eff = speed.Efficiency(adam_params_per_s_per_core=1e8)
-    rates = [eff.adam_params_per_s(speed.Cluster(speed.GPUS["h100"], 1, 1, host_cores=n)) for n in (8, 16, 64)]
+    rates = [eff.adam_params_per_s(speed.Cluster(GPUS["h100"], 1, 1, host_cores=n)) for n in (8, 16, 64)]
     assert rates[:2] == [8e8, 1.6e9] and rates[2] == pytest.approx(speed.HOST_MEMORY_GBPS * 1e9 / speed.ADAM_BYTES)
-    few, many = (speed.cpu_adam_s(job, speed.Cluster(speed.GPUS["h100"], 1, 1, host_cores=n), eff) for n in (8, 16))
+    few, many = (speed.cpu_adam_s(job, speed.Cluster(GPUS["h100"], 1, 1, host_cores=n), eff) for n in (8, 16))
     assert few == pytest.approx(2 * many)

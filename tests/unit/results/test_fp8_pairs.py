@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from finetune_kit.models import fp8
-from finetune_kit.planning.speed import calibrated, fp8_cost
+from finetune_kit.planning.speed import calibrated
+from finetune_tools.planning.fp8_speed import fp8_cost
 from finetune_tools.results import calibration, fp8_pairs
 from tests.harness import REPO
 

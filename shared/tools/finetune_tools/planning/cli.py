@@ -41,20 +41,7 @@ from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter
 from finetune_kit.planning import levers
 from finetune_kit.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
-from finetune_kit.planning.speed import (
-    FP8_PUBLISHED,
-    HOST_CORES,
-    HOST_MEMORY_GBPS,
-    Cluster,
-    Job,
-    calibrated,
-    check_fp8,
-    fp8_cost,
-    fp8_share,
-    job_for,
-    predict,
-    predict_fp8,
-)
+from finetune_kit.planning.speed import HOST_CORES, HOST_MEMORY_GBPS, Cluster, Job, calibrated, job_for, predict
 from finetune_kit.planning.verdict import (
     Plan,
     Setup,
@@ -63,6 +50,7 @@ from finetune_kit.planning.verdict import (
     setup_from_deepspeed,
     suggest,
 )
+from finetune_tools.planning.fp8_speed import FP8_PUBLISHED, check_fp8, fp8_cost, fp8_share, predict_fp8
 from finetune_tools.planning.gpu_records import measured_settings
 from finetune_tools.planning.long_context import alst_levers, longest_context
 from finetune_tools.planning.recipe_tables import gib, recipe_plans
@@ -321,7 +309,7 @@ def render_fp8(job: Job, cluster: Cluster, efficiency, recipe: str) -> str:
             f"only)\nfp8 matmuls carry {100 * fp8_share(job):.1f}% of the model FLOPs (the decoder's linear layers; "
             "the LM head and attention stay bf16); the last column says where the casts' cost comes from: fitted on "
             "a pair measured on one H100 (results/README.md, fp8 against bf16), or predicted "
-            "(finetune_kit/planning/speed.py, fp8_cost)\n")
+            "(finetune_tools/planning/fp8_speed.py, fp8_cost)\n")
     return head + text_table(["engine", "bf16 tokens/s per GPU", "fp8 tokens/s per GPU", "fp8 over bf16",
                               f"bf16 MFU % ({gpu.peak_bf16_tflops:,.0f} TFLOP/s)", "fp8 MFU % (same bf16 peak)",
                               f"fp8 % of the fp8 peak ({gpu.peak_fp8_tflops:,.0f} TFLOP/s)", "fp8 cost"], rows)

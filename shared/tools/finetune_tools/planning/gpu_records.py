@@ -20,6 +20,16 @@ def synced_per_micro_batch(rec: RunRecord) -> bool:
     return SYNCED_PER_MICRO_BATCH in (rec.notes or "")
 
 
+def plain(rec: RunRecord) -> bool:
+    """A run the speed model can describe: none of the levers its Job leaves out (packing, offloaded activations,
+    sequence parallelism, the tiled MLP, fp8), padding under 5% (padded slots cost compute that no real token is
+    credited with), and metered as the recipes meter today (not :func:`synced_per_micro_batch`)."""
+    t = rec.training
+    return (not t.packing and not t.offload_activations and not synced_per_micro_batch(rec)
+            and (t.sequence_parallel or 1) == 1 and not t.tiled_mlp
+            and t.fp8 in (None, "", "none") and (rec.measured.padding_fraction or 0) < 0.05)
+
+
 def job_of(rec: RunRecord) -> tuple[Job, Cluster] | None:
     """The planner's job and cluster of a GPU run record; None for a device without a profile."""
     gpu = gpu_for_device(rec.hardware.device)
@@ -50,8 +60,7 @@ def _lora_rank(shape, trainable: int) -> int:
 
 def one_gpu_records(runs) -> list[tuple[str, RunRecord, Job, Cluster]]:
     """The GPU records under ``runs`` (``results/runs``: its files, ``ablation/``, and each command's ``records/``)
-    that the speed model describes: a GPU with a profile, a measured speed, no packing, no fp8, padding under 5%,
-    metered as the recipes meter today (not :func:`synced_per_micro_batch`)."""
+    that the speed model describes: a GPU with a profile, a measured speed, :func:`plain`."""
     from pathlib import Path
 
     runs = Path(runs)
@@ -63,10 +72,7 @@ def one_gpu_records(runs) -> list[tuple[str, RunRecord, Job, Cluster]]:
             planned = job_of(rec)
         except UserInputError:  # a shape no profile names (the smoke runs' tiny models)
             continue
-        t = rec.training
-        if (planned is None or not rec.measured.tokens_per_s_per_device or t.packing or t.offload_activations
-                or t.fp8 not in (None, "", "none") or (rec.measured.padding_fraction or 0) >= 0.05
-                or synced_per_micro_batch(rec)):
+        if planned is None or not rec.measured.tokens_per_s_per_device or not plain(rec):
             continue
         out.append((str(path.relative_to(runs.parent)), rec, *planned))
     return out

@@ -18,19 +18,10 @@ from finetune_kit.metering import keys
 from finetune_kit.metering.run_record import RunRecord
 from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning.hardware import GPUS, gpu_for_device
-from finetune_kit.planning.speed import (
-    CALIBRATION_FILE,
-    HOST_CORES,
-    Cluster,
-    Efficiency,
-    Job,
-    Observation,
-    fit_efficiency,
-    fp8_cost,
-    held_out_errors,
-    predict_observation,
-)
-from finetune_tools.planning.gpu_records import job_of, synced_per_micro_batch
+from finetune_kit.planning.speed import CALIBRATION_FILE, HOST_CORES, Cluster, Efficiency, Job
+from finetune_tools.planning.fp8_speed import fp8_cost
+from finetune_tools.planning.gpu_records import job_of, plain
+from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors, predict_observation
 from finetune_tools.results import fp8_pairs
 
 # What each published row's source does not state, assumed (job fields) and why.
@@ -146,17 +137,6 @@ def published_observations(path: Path, reference: bool = False) -> list[tuple[Ob
             out.append((Observation(r["id"], job, cluster, speed, "published", fitted, fp8, compiled),
                         why if r["id"] not in NOT_FITTED else f"{why}; {NOT_FITTED[r['id']]}"))
     return out
-
-
-def plain(rec: RunRecord) -> bool:
-    """A run the speed model can describe: none of the levers its Job leaves out (packing, offloaded activations,
-    sequence parallelism, the tiled MLP, fp8), padding under 5% (padded slots cost compute that no real token is
-    credited with), and metered as the recipes meter today
-    (:func:`~finetune_tools.planning.gpu_records.synced_per_micro_batch`)."""
-    t = rec.training
-    return (not t.packing and not t.offload_activations and not synced_per_micro_batch(rec)
-            and (t.sequence_parallel or 1) == 1 and not t.tiled_mlp
-            and t.fp8 in (None, "", "none") and (rec.measured.padding_fraction or 0) < 0.05)
 
 
 def measured_observations(folder: Path, pattern: str = "*.json", only_plain: bool = False, unlike: Path | None = None,

@@ -3,9 +3,10 @@
 Each ``results/runs/fp8/<date>-<gpu>-<n>.json`` is the ``summary.json`` of one GPU command of the ablation's fp8
 rows (``python -m finetune_tools.gpu_check --ablation --variants ...``), and ``records/<same name>/`` holds that
 command's run records. A pair is an fp8 row and the bf16 row its speed-up is against (``baseline``), both of one
-command on one machine. For each pair the planner's fp8 cost (:func:`finetune_kit.planning.speed.fit_fp8_overhead`,
-a fraction of the covered matmuls' bf16 time) is the one at which it predicts the measured speed-up for that
-run's job; the mean per scaling and compile setting goes to ``speed-calibration.json`` (``fp8_overhead``). The
+command on one machine. For each pair the planner's fp8 cost
+(:func:`~finetune_tools.planning.fp8_speed.fit_fp8_overhead`, a fraction of the covered matmuls' bf16 time) is the
+one at which it predicts the measured speed-up for that run's job; the mean per scaling and compile setting goes to
+``speed-calibration.json`` (``fp8_overhead``). The
 measured speed-ups themselves go to the runtime, which prints them in every ``--fp8`` launch and has no results/ in
 an image: ``shared/finetune_kit/models/fp8_speedup.json`` (:data:`PACKAGED`, :func:`speedup_json`).
 """
@@ -17,8 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune_kit.metering.run_record import RunRecord
-from finetune_kit.planning.speed import Cluster, Efficiency, Job, fit_fp8_overhead, fp8_key, predict, predict_fp8
+from finetune_kit.planning.speed import Cluster, Efficiency, Job, predict
 from finetune_tools.gpu_check.host_check import fp8_choice
+from finetune_tools.planning.fp8_speed import fit_fp8_overhead, fp8_key, predict_fp8
 from finetune_tools.planning.gpu_records import job_of
 
 FOLDER = "runs/fp8"
