@@ -231,7 +231,7 @@ plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIP
 	  $(if $(NETWORK),--network $(NETWORK)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(DATA),--data $(DATA)) \
 	  $(if $(FP8),--fp8 $(FP8)) $(if $(filter 1,$(BEST)),--best) $(if $(HOST_CORES),--host-cores $(HOST_CORES)) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(SP),--sequence-parallel $(SP)) $(if $(SEQ),--seq-len $(SEQ)) \
-	  $(if $(PRICE),--price $(PRICE)) --calibration results/speed-calibration.json)
+	  $(if $(PRICE),--price $(PRICE)))
 
 # The generated blocks of recipes/*/README.md (memory tables, DeepSpeed knobs), from the files they name.
 readmes: ## regenerate the recipe READMEs' generated tables (memory plan, DeepSpeed knobs)

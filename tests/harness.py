@@ -504,3 +504,40 @@ def two_hosts(addrs: tuple[str, str] = ("10.203.0.1", "10.203.0.2"), interface: 
     finally:
         for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def assert_levers_auto_took_the_first_of_the_ranking(output: Path, model: Path, given: tuple[int, int], *,
+                                                     gpu: str = "h100", network: str | None = None) -> None:
+    """The run in ``output`` launched with ``--levers auto --levers-gpu gpu`` from the installed package: its record's
+    line names the package's calibrated constants, and the flags it trained with are those of the first line of
+    ``levers.rank`` for that launch (its setup as run_info.json records it, at the launched micro-batch and
+    accumulation ``given`` with checkpointing), recomputed here with the planner's own API."""
+    from dataclasses import replace
+
+    from finetune_kit.models.shapes import Adapter
+    from finetune_kit.planning import hardware, levers, speed, verdict
+
+    record = json.loads((output / "run_record.json").read_text())["training"]
+    assert record["levers"].startswith("levers auto: ") and "the global batch kept" in record["levers"]
+    assert record["levers"].endswith(f"speed constants: {speed.CALIBRATED}"), record["levers"]
+    fields = read_run_info(output)["memory_plan"]["setup"]
+    adapter = fields.pop("adapter")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    if adapter:
+        adapter = Adapter(**{k: tuple(v) if isinstance(v, list) else v for k, v in adapter.items()})
+    setup = verdict.Setup(**fields, adapter=adapter)
+    base = replace(setup, gpu_memory_GiB=hardware.GPUS[gpu].memory_GiB, micro_batch=given[0],
+                   gradient_checkpointing=True, recompute_every=1)
+    cluster = speed.Cluster(hardware.GPUS[gpu], setup.gpus_per_node, setup.nodes,
+                            hardware.network_profile(network) if network else None)
+    kernels = ("none",) if setup.num_labels or not setup.loss_chunks else ("chunked",)
+    first = levers.rank(levers.options(str(model), base, given[1], cluster, speed.calibrated()[0],
+                                       loss_kernels=kernels, compile_ok=False))[0]
+    ran = (f"--micro-batch-size {record['micro_batch_size']} --grad-accum {record['grad_accum']} "
+           + (f"--recompute-every {record['recompute_every']}" if record["gradient_checkpointing"]
+              else "--no-gradient-checkpointing")
+           + (f" --loss-kernel {record['loss_kernel']}" if kernels != ("none",) else ""))
+    assert ran == first.flags(), (ran, first.flags())
+    assert record["micro_batch_size"] * record["grad_accum"] == given[0] * given[1]
+    cards = list(output.glob("*/README.md"))  # the model card reads the plan from the record
+    assert cards and all(record["levers"] in card.read_text() for card in cards), cards

@@ -23,7 +23,7 @@ split, per-rank shards, validations, LoRA settings, the memory plan).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # First: the package quiets a bitsandbytes warning that importing peft would print
 from finetune_kit import losses, model_card, models, run_main, training
@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader
 from transformers import BitsAndBytesConfig
 
 from finetune_kit.data import reviews
-from finetune_kit.launch import multinode
 from finetune_kit.models import qlora
 
 RECIPE = "llama3-70b-qlora"
@@ -81,6 +80,7 @@ def check_inputs(argv=None):
                                                          "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
                                                                  f"targets {args.lora_targets}"})
     qlora.check_prequantized(checked.model_config, dtype=args.dtype, model=args.model)  # a 4-bit folder: its settings
+    args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
     return args, targets, checked, rows, counts
 
@@ -105,9 +105,8 @@ def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
     args, targets, checked, rows, counts = check_inputs(argv)
 
-    # ---- 2. Distributed setup: the nodes agree on the job's shape, then the YAML + JSON drive everything ----
-    multinode.handshake(args.rendezvous_timeout)
-    accelerator = training.start(checked, args)
+    # ---- 2. Distributed setup: the nodes agree on the job's shape and launch plan, then the YAML + JSON drive it ----
+    accelerator = training.start(checked, args, rendezvous_timeout=args.rendezvous_timeout)
     stop = training.StopSignal(accelerator)  # SIGTERM, SIGINT, Slurm's SIGUSR1: stop after the step, with a checkpoint
     accelerator.print(f"reviews: {counts}")
 

@@ -33,7 +33,7 @@ Prometheus metrics from every rank (port 9450 + local rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.utils.data import DataLoader
 
@@ -61,6 +61,7 @@ def check_inputs(argv=None):
     args = parse_args(argv)
     checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH,
                                       configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
+    args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
     data.check_template(rows, args.model, args.chat_template)  # rows with tool calls need a template for them
     return args, checked, rows
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
     args, checked, rows = check_inputs(argv)
 
-    # ---- 2. Distributed setup: the accelerate YAML (+ DeepSpeed JSON, or FSDP2) drives everything ----
+    # ---- 2. Distributed setup: the ranks agree on the launch plan; the YAML (+ JSON, or FSDP2) drives it ----
     accelerator = training.start(checked, args)
     stop = training.StopSignal(accelerator)  # SIGTERM, SIGINT, Slurm's SIGUSR1: stop after the step, with a checkpoint
     sp = training.sequence_groups(accelerator, args.sequence_parallel)  # --sequence-parallel N ranks share a sequence

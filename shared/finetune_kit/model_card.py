@@ -243,6 +243,10 @@ def _settings(record: dict, info: dict, settings: dict) -> list[tuple[str, objec
     for key in ("sequence_parallel", "fp8"):
         if t.get(key) not in (None, 1, False, "none"):
             rows.append((key.replace("_", " "), t[key]))
+    if t.get("levers"):  # the launch plan's choice (--levers auto), as the run record keeps it
+        rows.append(("levers", t["levers"]))
+    if record["hardware"].get("gpu_memory_cap_GiB"):
+        rows.append(("GPU memory cap (GiB)", record["hardware"]["gpu_memory_cap_GiB"]))
     return [(k, v) for k, v in rows if v is not None]
 
 

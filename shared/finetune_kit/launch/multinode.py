@@ -89,16 +89,19 @@ def check_pair(main: dict, worker: dict, main_name: str = "main", worker_name: s
             f"{main_name} is machine_rank {main_rank}, {worker_name} is machine_rank {worker_rank}")
 
 
-def handshake(timeout_s: float = 300.0) -> dict:
-    """Check that all ranks agree on the job's shape; return this rank's view.
+def handshake(timeout_s: float = 300.0, *, plan_digest: str = "", plan_summary: str = "") -> dict:
+    """Check that all ranks agree on the job's shape and its launch plan; return this rank's view.
 
     A no-op in a single-process run. Raises ConfigError on the first disagreement (number
-    of machines, world size, processes per node, two processes claiming one rank) or when
-    a rank is missing after ``timeout_s`` seconds. (torch takes the world size from the
+    of machines, world size, processes per node, two processes claiming one rank, the launch
+    plan's ``plan_digest``: the batch split and levers each rank decided, which must be one
+    schedule, named in the error by ``plan_summary``) or when a rank is missing after
+    ``timeout_s`` seconds. Every rank compares with every other, so a disagreement fails on all.
+    (torch takes the world size from the
     main node, so a worker with another ``num_machines`` would train and then hang for
     5 minutes in torchrun's exit barrier: caught here instead.)
     """
-    view = env.view().as_dict()
+    view = {**env.view().as_dict(), "plan_digest": plan_digest, "plan_summary": plan_summary}
     store_at = env.rendezvous()
     if view["world_size"] == 1 or store_at is None:
         return view
@@ -130,6 +133,13 @@ def handshake(timeout_s: float = 300.0) -> dict:
                     "Use the same num_machines and num_processes in every node's accelerate config "
                     "(python -m finetune_kit.launch.multinode MAIN.yaml WORKER.yaml checks a pair)."
                 )
+        if other["plan_digest"] != view["plan_digest"]:
+            raise ConfigError(
+                f"the ranks decided different launch plans: rank {view['rank']} on {view['host']} has "
+                f"{view['plan_summary']!r}, rank {other['rank']} on {other['host']} has {other['plan_summary']!r}; "
+                "their schedules would differ and the run would hang. Give every rank the same flags and "
+                "FINETUNE_GPU_MEMORY_GIB, and with --levers auto the same --levers-gpu (or GPUs of one kind)."
+            )
     return view
 
 

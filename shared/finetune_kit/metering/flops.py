@@ -26,39 +26,12 @@ from dataclasses import dataclass
 
 from finetune_kit.models.shapes import ModelShape
 
-# Dense bf16 tensor-core peak per device, TFLOP/s (datasheets, without sparsity).
-PEAK_BF16_TFLOPS = {
-    "H100 SXM": 989.0,
-    "H100 PCIe": 756.0,
-    "H200": 989.0,
-    "A100": 312.0,
-}
-
 
 def device_name() -> str:
-    """``torch.cuda.get_device_name()``, or "cpu" without a GPU."""
+    """``torch.cuda.get_device_name()``, or "cpu" without a GPU (its peak: ``planning.hardware.peak_bf16_tflops``)."""
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def device_kind(device_name: str | None) -> str | None:
-    """The :data:`PEAK_BF16_TFLOPS` key of a ``torch.cuda.get_device_name()`` string (or a source's
-    "A100 80GB"); None for CPUs and unknown devices."""
-    name = (device_name or "").upper()
-    if "H200" in name:
-        return "H200"
-    if "H100" in name:
-        return "H100 PCIe" if "PCIE" in name else "H100 SXM"
-    if "A100" in name:
-        return "A100"
-    return None
-
-
-def peak_tflops(device_name: str | None) -> float | None:
-    """Peak for a ``torch.cuda.get_device_name()`` string; None for CPUs and unknown devices."""
-    kind = device_kind(device_name)
-    return PEAK_BF16_TFLOPS[kind] if kind else None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from finetune_kit.data.counts import DataCounts
-from finetune_kit.launch import memory_cap
 from finetune_kit.metering.flops import device_name
 
 SCHEMA = "finetune-kit/run-record/2"  # 2: hardware.peak_bf16_tflop_per_s_per_device
@@ -229,7 +228,8 @@ def offload_of(ds_config: dict) -> str:
 def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params_trainable: int,
                      ds_config: dict, script_args: dict, world: int, nodes: int, training: dict,
                      meter, warmup_steps: int, peaks: dict, where: Path,
-                     predicted_gpu_GiB: float | None = None, engine: str = "deepspeed") -> RunRecord:
+                     predicted_gpu_GiB: float | None = None, memory_cap_GiB: float | None = None,
+                     engine: str = "deepspeed") -> RunRecord:
     """Assemble the record at the end of a run from what the script already has.
 
     ``training``: method, seq_len, micro_batch_size, grad_accum, gradient_checkpointing
@@ -249,7 +249,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
                         truncated="truncated" in arch.name),
         hardware=Hardware(device=device_name(), devices=world, nodes=nodes,
                           peak_bf16_tflop_per_s_per_device=meter.peak_tflops,
-                          gpu_memory_cap_GiB=memory_cap.requested()),
+                          gpu_memory_cap_GiB=memory_cap_GiB),
         software=software(),
         training=Training(zero_stage=3 if engine == "fsdp2" else ds_config.get("zero_optimization", {}).get("stage", 0),
                           offload=offload_of(ds_config), engine=engine,

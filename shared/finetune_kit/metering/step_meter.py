@@ -24,19 +24,19 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune_kit.metering import keys, peak_memory, prometheus
-from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
+from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 
 
 class StepMeter:
     def __init__(self, accelerator, flop_counter: FlopCounter, output: Path, *, total_steps: int,
-                 initial_step: int, log_every: int, recipe: str = "recipe"):
+                 initial_step: int, log_every: int, recipe: str = "recipe", peak_tflops: float | None = None):
         self.accelerator = accelerator
         self.flop_counter = flop_counter
         self.endpoint = prometheus.open_endpoint(recipe)  # None unless FINETUNE_METRICS_PORT is set
         self.tally = StepTally(flop_counter)
-        self.rates = ThroughputMeter(accelerator.num_processes, peak_tflops=peak_tflops(device_name()))
+        self.rates = ThroughputMeter(accelerator.num_processes, peak_tflops=peak_tflops)  # MFU against it
         self.log = MetricsLog(output, enabled=accelerator.is_main_process, accelerator=accelerator)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step",
                         disable=not accelerator.is_local_main_process)

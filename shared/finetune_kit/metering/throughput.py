@@ -11,7 +11,7 @@ dense bf16 peak and is absent on CPUs and unknown devices.
 In a training loop::
 
     tally = StepTally(flop_counter)              # per rank, per optimizer step
-    meter = ThroughputMeter(num_devices=world, peak_tflops=flops.peak_tflops(device_name))
+    meter = ThroughputMeter(num_devices=world, peak_tflops=hardware.peak_bf16_tflops(device_name))  # planning
     ...  for each micro-batch:  tally.add(batch)
     ...  at each optimizer step: rate = meter.step(**tally.reduce(accelerator))
     metrics = rate.as_metrics() | memory.peaks()       # metering.peak_memory

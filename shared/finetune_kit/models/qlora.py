@@ -240,16 +240,6 @@ def trainable_state_dict(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in params.items()}
 
 
-def load_adapter_for_eval(base: str, adapter: str | Path, *, pad_token_id: int, dtype: torch.dtype = torch.bfloat16,
-                          device_map=None):
-    """A freshly quantised base with the saved adapter and head, in eval mode (one process)."""
-    from peft import PeftModel
-
-    net = load_quantized_classifier(base, pad_token_id=pad_token_id, dtype=dtype, quant_storage=dtype,
-                                    device_map=device_map)
-    return PeftModel.from_pretrained(net, str(adapter)).eval()
-
-
 def forget_4bit_loading(net):
     """A dequantized model that saves as a plain one. transformers 5 keeps the loading's 4-bit deserializer
     (``Bnb4bitDeserialize``) among the model's weight conversions after ``dequantize()``, and ``save_pretrained``

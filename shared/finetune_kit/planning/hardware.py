@@ -70,12 +70,29 @@ def network_profile(name: str) -> Network:
         raise ConfigError(f"network '{name}' has no profile; known: {', '.join(NETWORKS)}.") from None
 
 
-def gpu_for_device(device: str) -> Gpu | None:
+def device_kind(device_name: str | None) -> str | None:
+    """"H200", "H100 PCIe", "H100 SXM" or "A100" for a ``torch.cuda.get_device_name()`` string (or a source's
+    "A100 80GB"); None for CPUs and unknown devices."""
+    name = (device_name or "").upper()
+    if "H200" in name:
+        return "H200"
+    if "H100" in name:
+        return "H100 PCIe" if "PCIE" in name else "H100 SXM"
+    if "A100" in name:
+        return "A100"
+    return None
+
+
+def gpu_for_device(device: str | None) -> Gpu | None:
     """The profile of a device name as records and sources write it ("NVIDIA H100 80GB HBM3",
     "A100 80GB", "H100 96GB HBM2e (500 W)"); None for one without a profile."""
-    from finetune_kit.metering.flops import device_kind
-
     kind = device_kind(device)
     if kind == "A100":
-        return GPUS["a100-40" if "40GB" in device.upper().replace(" ", "") else "a100-80"]
+        return GPUS["a100-40" if "40GB" in (device or "").upper().replace(" ", "") else "a100-80"]
     return {"H200": GPUS["h200"], "H100 PCIe": GPUS["h100-pcie"], "H100 SXM": GPUS["h100"]}.get(kind)
+
+
+def peak_bf16_tflops(device: str | None) -> float | None:
+    """The dense bf16 peak (TFLOP/s) of a device name, what MFU is against; None for CPUs and unknown devices."""
+    gpu = gpu_for_device(device)
+    return gpu.peak_bf16_tflops if gpu else None

@@ -4,12 +4,12 @@ the model's math, each with its memory plan (:mod:`.verdict`) and predicted spee
 The levers: the micro-batch, with the accumulation that keeps the sequences per optimizer step (the global batch);
 activation checkpointing (off, or every 1st, 2nd or 4th decoder layer); the loss kernel (the chunked loss in plain
 torch, or Liger's fused linear cross-entropy); torch.compile of the decoder layers (FSDP2 only, as the recipes
-allow); the engine (DeepSpeed ZeRO-3 or FSDP2) and DeepSpeed's optimizer offload. None of them changes what is
-computed: the loss of a step is the same however its sequences are split into micro-batches, and recomputation,
-the loss kernel, compilation and sharding change how it is computed, not what.
+allow), for the engine the setup names. None of them changes what is computed: the loss of a step is the same
+however its sequences are split into micro-batches, and recomputation, the loss kernel and compilation change how
+it is computed, not what. (``make plan BEST=1`` also ranks the engines: ``finetune_tools.planning.cli``.)
 
-:func:`rank` orders them: first the options whose predicted memory leaves ``headroom`` of the GPU free (and fits the
-host), fastest first; then the rest, fastest first.
+:func:`rank` orders them in three tiers, fastest first in each: those whose predicted memory leaves ``headroom`` of
+the GPU free (and fits the host), those that fit with less, those that do not fit.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ class Option:
         cap = self.setup.gpu_memory_GiB
         return (cap is None or self.plan.gpu_bytes <= (1 - headroom) * cap * GiB) and self.plan.fits is not False
 
+    def tier(self, headroom: float = HEADROOM) -> int:
+        """0: fits with ``headroom`` of the GPU free; 1: fits with less; 2: does not fit."""
+        return 0 if self.fits(headroom) else 1 if self.fits(0.0) else 2
+
     @property
     def engine(self) -> str:
         if self.job.engine == "fsdp2":
@@ -53,14 +57,8 @@ class Option:
     def flags(self) -> str:
         """The recipe's flags for this setting (the engine is the launch config's: :attr:`engine`)."""
         j = self.job
-        out = [f"--micro-batch-size {j.micro_batch}", f"--grad-accum {j.grad_accum}"]
-        out.append(f"--recompute-every {j.recompute_every}" if j.gradient_checkpointing
-                   else "--no-gradient-checkpointing")
-        if j.loss_kernel in ("chunked", "liger"):
-            out.append(f"--loss-kernel {j.loss_kernel}")
-        if j.compiled:
-            out.append("--compile")
-        return " ".join(out)
+        return flag_line(j.micro_batch, j.grad_accum, j.gradient_checkpointing, j.recompute_every,
+                         j.loss_kernel if j.loss_kernel in ("chunked", "liger") else None, j.compiled)
 
     def describe(self) -> str:
         """One line: the setting, its memory and speed, and where they come from."""
@@ -71,49 +69,54 @@ class Option:
                    else "(predicted)"))
 
 
+def flag_line(micro_batch: int, grad_accum: int, checkpointing: bool, recompute_every: int, loss_kernel: str | None,
+              compiled: bool | None) -> str:
+    """A setting as the recipes' flags; ``loss_kernel`` None: not one of them."""
+    out = [f"--micro-batch-size {micro_batch}", f"--grad-accum {grad_accum}",
+           f"--recompute-every {recompute_every}" if checkpointing else "--no-gradient-checkpointing"]
+    out += ([f"--loss-kernel {loss_kernel}"] if loss_kernel else []) + (["--compile"] if compiled else [])
+    return " ".join(out)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def options(model, base: Setup, grad_accum: int, cluster: Cluster, efficiency: Efficiency | None = None, *,
-            loss_kernels: tuple[str, ...] = ("chunked", "liger"), compile_ok: bool = True, engines: bool = True,
+            loss_kernels: tuple[str, ...] = ("chunked", "liger"), compile_ok: bool = True,
             measured=None) -> list[Option]:
-    """Every combination of the levers for ``base`` (its model, method, sequence length, sharding) at
+    """Every combination of the levers for ``base`` (its model, method, sequence length, engine) at
     ``base.micro_batch x grad_accum`` sequences per GPU per optimizer step, on ``cluster``.
 
     ``loss_kernels``: those the run can use ("none" for a classifier, or the loss whole); ``compile_ok``: whether
-    compiled layers can run here; ``engines``: also ZeRO-3 with optimizer offload and FSDP2 for a full fine-tune
-    (False: the engine as in ``base``, what a launched recipe is held to). ``measured(job, cluster)``: the name of
-    a GPU record of exactly that setting, or "". Sequence-parallel runs keep their micro-batch (one sequence).
+    compiled layers can run here (under FSDP2 only). ``measured(job, cluster)``: the name of a GPU record of exactly
+    that setting, or "". Sequence-parallel runs keep their micro-batch (one sequence).
     """
     shape = plan(model, base).model
     per_gpu = base.micro_batch * grad_accum
     micro = [base.micro_batch] if base.sequence_parallel > 1 else _divisors(per_gpu)
-    layers = shape.num_hidden_layers
-    recompute = [r for r in RECOMPUTE if r <= layers]
-    engine_setups = [base]
-    if engines and base.adapter is None and base.engine == "deepspeed" and base.stage == 3:
-        engine_setups = [replace(base, offload_optimizer=False), replace(base, offload_optimizer=True),
-                         replace(base, engine="fsdp2", offload_optimizer=False, offload_param=False)]
-    elif engines and base.adapter is None and base.engine == "fsdp2":
-        engine_setups = [base, replace(base, engine="deepspeed", stage=3), replace(base, engine="deepspeed", stage=3,
-                                                                                  offload_optimizer=True)]
+    recompute = [r for r in RECOMPUTE if r <= shape.num_hidden_layers]
     out = []
-    for engine_setup in engine_setups:
-        for m in micro:
-            for r in recompute:
-                setup = replace(engine_setup, micro_batch=m, gradient_checkpointing=r > 0, recompute_every=max(r, 1))
-                memory = plan(model, setup)
-                for kernel in loss_kernels:
-                    for compiled in (False, True) if compile_ok and setup.engine == "fsdp2" else (False,):
-                        job = replace(job_for(shape, setup, per_gpu // m), loss_kernel=kernel, compiled=compiled)
-                        out.append(Option(setup, job, memory, predict(job, cluster, efficiency), cluster.gpus,
-                                          measured(job, cluster) if measured else ""))
+    for m in micro:
+        for r in recompute:
+            setup = replace(base, micro_batch=m, gradient_checkpointing=r > 0, recompute_every=max(r, 1))
+            memory = plan(model, setup)
+            for kernel in loss_kernels:
+                for compiled in (False, True) if compile_ok and setup.engine == "fsdp2" else (False,):
+                    job = replace(job_for(shape, setup, per_gpu // m), loss_kernel=kernel, compiled=compiled)
+                    out.append(Option(setup, job, memory, predict(job, cluster, efficiency), cluster.gpus,
+                                      measured(job, cluster) if measured else ""))
     return out
 
 
 def rank(found: list[Option], headroom: float = HEADROOM) -> list[Option]:
-    """Those that fit with ``headroom`` first, fastest first; then the others, fastest first. A tie (micro-batches of
-    one global batch on one GPU, where the model has no cost per micro-batch: the runs measured here resolve none)
-    goes to the larger micro-batch: fewer, larger kernels, and under ZeRO-3 fewer weight gathers per token."""
-    return sorted(found, key=lambda o: (not o.fits(headroom), -round(o.tokens_per_s, 6), -o.job.micro_batch))
+    """By :meth:`Option.tier` (fits with ``headroom``, fits, does not fit), fastest first within a tier. A tie
+    (micro-batches of one global batch on one GPU, where the model has no cost per micro-batch: the runs measured
+    here resolve none) goes to the larger micro-batch: fewer, larger kernels, and under ZeRO-3 fewer weight gathers
+    per token."""
+    return sorted(found, key=lambda o: (o.tier(headroom), -round(o.tokens_per_s, 6), -o.job.micro_batch))
+
+
+def nearest(found: list[Option]) -> Option:
+    """The option that needs the least GPU memory: the one nearest to fitting when none does."""
+    return min(found, key=lambda o: (o.plan.gpu_bytes, o.plan.host_bytes, -o.tokens_per_s))

@@ -184,20 +184,28 @@ def family(gpu: Gpu) -> str:
     return gpu.name.split()[0]
 
 
-CALIBRATION_FILE = "speed-calibration.json"  # results/ beside README.md: what make results fits, make plan reads
+CALIBRATION_FILE = "speed-calibration.json"  # package data of finetune_kit.planning: what make results fits
+CALIBRATED = "finetune_kit/planning/speed-calibration.json (package data, fitted by make results)"  # the source
 
 
 def calibrated(path=None) -> tuple[Efficiency, str]:
-    """The constants ``make results`` fitted (``results/speed-calibration.json``, or ``path``) and
-    where they came from; the uncalibrated defaults without such a file."""
+    """The constants ``make results`` fitted and where they came from: the package's own
+    ``speed-calibration.json`` (package data, so an installed package ranks as a checkout does), or ``path``'s;
+    the uncalibrated defaults only where the package was installed without its data."""
     import json
+    from importlib import resources
     from pathlib import Path
 
-    if path is None or not Path(path).is_file():
-        return Efficiency(), "uncalibrated defaults (no results/speed-calibration.json given)"
-    data = json.loads(Path(path).read_text())
+    if path is not None:
+        text, source = Path(path).read_text(), str(path)
+    else:
+        packaged = resources.files("finetune_kit.planning").joinpath(CALIBRATION_FILE)
+        if not packaged.is_file():
+            return Efficiency(), f"uncalibrated defaults (the package has no {CALIBRATION_FILE})"
+        text, source = packaged.read_text(), CALIBRATED
+    data = json.loads(text)
     return (Efficiency(data["compute"], data["step_s_per_param"], data["adam_params_per_s_per_core"],
-                       data.get("compiled", 1.0), data.get("fp8_overhead", {})), str(path))
+                       data.get("compiled", 1.0), data.get("fp8_overhead", {})), source)
 
 
 @dataclass(frozen=True)
@@ -231,19 +239,6 @@ class Prediction:
     def tokens_per_s(self, gpus: int) -> float:
         """Per GPU, at the point estimate."""
         return self.tokens_per_step / self.step_s / gpus
-
-    def tokens_per_s_range(self, gpus: int) -> tuple[float, float]:
-        fast, slow = self.step_s_range
-        return self.tokens_per_step / slow / gpus, self.tokens_per_step / fast / gpus
-
-    @property
-    def terms(self) -> dict[str, float]:
-        return {"compute": self.compute_s, "intra-node": self.intra_node_s, "inter-node": self.inter_node_s,
-                "offload": self.offload_s}
-
-    @property
-    def dominant(self) -> str:
-        return max(self.terms, key=self.terms.get)
 
 
 def optimizer_kind(job: Job) -> str:

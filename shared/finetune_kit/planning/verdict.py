@@ -94,7 +94,6 @@ ZERO3_FRAGMENTATION = 0.085
 # tokens, results/runs/long-context/). Below that size, the tenth measured at 2K-4K tokens.
 LONG_CONTEXT_TENSOR_BYTES = 2**30
 LONG_CONTEXT_FRAGMENTATION = {False: 0.47, True: 0.20}  # by expandable_segments
-ACTIVATION_PARTS = ("activations", "logits", "one layer")
 OVERHEAD_PART = "CUDA context"
 
 
@@ -108,15 +107,6 @@ class Plan:
     total_params: int = 0
     trainable_params: int = 0
 
-    def gpu_by_kind(self) -> dict[str, int]:
-        """GPU bytes grouped as model states, activations (incl. logits) and overhead."""
-        kinds = {"model states": 0, "activations": 0, "overhead": 0}
-        for name, value in self.gpu_parts.items():
-            kind = ("activations" if name.startswith(ACTIVATION_PARTS) else
-                    "overhead" if name.startswith(OVERHEAD_PART) else "model states")
-            kinds[kind] += value
-        return kinds
-
     @property
     def gpu_bytes(self) -> int:
         return sum(self.gpu_parts.values())
@@ -124,10 +114,6 @@ class Plan:
     @property
     def host_bytes(self) -> int:
         return sum(self.host_parts.values())
-
-    @property
-    def disk_bytes(self) -> int:
-        return sum(self.disk_parts.values())
 
     @property
     def gpu_headroom_GiB(self) -> float | None:
@@ -406,27 +392,44 @@ def setup_for_fsdp2(**fields) -> Setup:
     return Setup(stage=3, engine="fsdp2", **fields)
 
 
-def local_gpu_memory_GiB() -> float | None:
-    """Memory this process's GPU (LOCAL_RANK) has for the launch, in GiB: its free memory as the
-    driver reports it (what another process holds is not there to use), else its total, at most
-    ``FINETUNE_GPU_MEMORY_GIB`` (:mod:`finetune_kit.launch.memory_cap`); that cap without CUDA, else None.
+def launch_nodes(world_size: int, gpus_per_node: int | None = None) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a launch of ``world_size`` ranks; ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE
+    (the world size outside a launcher)."""
+    if gpus_per_node is None:
+        gpus_per_node = env.view().local_world_size if env.launched() else world_size
+    gpus_per_node = max(1, min(gpus_per_node, world_size))
+    return max(1, world_size // gpus_per_node), gpus_per_node
+
+
+def setup_for_launch(ds_config: dict | None, *, world_size: int, gpus_per_node: int | None = None,
+                     **fields) -> Setup:
+    """The one way a launch becomes a :class:`Setup`: its nodes and GPUs per node (:func:`launch_nodes`), ZeRO's
+    stage and offload from ``ds_config`` (None: an FSDP2 launch), the other fields as given. The checks before a
+    launch, ``--levers auto`` and ``make plan`` all build theirs here."""
+    nodes, per_node = launch_nodes(world_size, gpus_per_node)
+    fields = dict(fields, nodes=nodes, gpus_per_node=per_node)
+    return setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
+
+
+def local_gpu_memory_GiB(cap_GiB: float | None = None, *, free: bool = True) -> float | None:
+    """Memory this process's GPU (LOCAL_RANK) has for the launch, in GiB, at most ``cap_GiB`` (the launch's
+    ``FINETUNE_GPU_MEMORY_GIB``, :mod:`finetune_kit.launch.memory_cap`): with ``free``, its free memory as the
+    driver reports it (what another process holds is not there to use), else its total; the cap without CUDA,
+    else None.
 
     Asks for LOCAL_RANK's device by index: before the launcher's ranks pick their devices, the
     "current" device is GPU 0 for all of them.
     """
-    from finetune_kit.launch import memory_cap
-
-    cap = memory_cap.requested()
     try:
         import torch
     except ImportError:
-        return cap
+        return cap_GiB
     if not torch.cuda.is_available():
-        return cap
+        return cap_GiB
     index = env.view().local_rank % torch.cuda.device_count()
-    info = gpus.memory_GiB(index)
+    info = gpus.memory_GiB(index) if free else None
     have = info["free"] if info else torch.cuda.get_device_properties(index).total_memory / GiB
-    return have if cap is None else min(have, cap)
+    return have if cap_GiB is None else min(have, cap_GiB)
 
 
 def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_batch: int, seq_len: int,
@@ -434,14 +437,14 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
               num_labels: int | None = None, loss_chunks: int = 0, offload_activations: bool = False,
               recompute_every: int = 1, sequence_parallel: int = 1, tiled_mlp: bool = False,
               kv_repeated: bool = True, expandable_segments: bool | None = None, gpu_memory_GiB: float | None = None,
-              host_memory_GiB: float | None = None, skip: bool = False, skip_flag: str = "--skip-memory-check",
-              flags: dict | None = None, report=None) -> Plan:
+              memory_cap_GiB: float | None = None, host_memory_GiB: float | None = None, skip: bool = False,
+              skip_flag: str = "--skip-memory-check", flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
     ``ds_config``: the launched DeepSpeed JSON, or None for an FSDP2 launch.
 
     Call before any process group, data or weights. ``gpu_memory_GiB`` defaults to this GPU's
-    capacity; on a machine without CUDA there is nothing to compare with: the prediction is logged,
-    never fatal. ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE. ``skip`` (the script's
+    free memory, at most ``memory_cap_GiB``; on a machine without CUDA there is nothing to compare with: the
+    prediction is logged, never fatal. ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE. ``skip`` (the script's
     ``skip_flag``) turns the error into a warning. ``flags`` names the script's own flags for the
     suggestion (keys micro_batch, grad_accum, gradient_checkpointing). ``report`` receives the
     prediction line; by default the module logger, or stderr on rank 0 when logging is not set up.
@@ -457,19 +460,15 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
             print(text, file=sys.stderr)
 
     report = report or default_report
-    if gpus_per_node is None:
-        gpus_per_node = env.view().local_world_size if env.launched() else world_size
-    gpus_per_node = max(1, min(gpus_per_node, world_size))
-    nodes = max(1, world_size // gpus_per_node)
     if gpu_memory_GiB is None:
-        gpu_memory_GiB = local_gpu_memory_GiB()
-    fields = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_GiB=gpu_memory_GiB,
-                  host_memory_GiB=host_memory_GiB, micro_batch=micro_batch, seq_len=seq_len,
-                  gradient_checkpointing=gradient_checkpointing, adapter=adapter, num_labels=num_labels,
+        gpu_memory_GiB = local_gpu_memory_GiB(memory_cap_GiB)
+    fields = dict(gpu_memory_GiB=gpu_memory_GiB, host_memory_GiB=host_memory_GiB, micro_batch=micro_batch,
+                  seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, adapter=adapter,
+                  num_labels=num_labels,
                   loss_chunks=loss_chunks, offload_activations=offload_activations, recompute_every=recompute_every,
                   sequence_parallel=sequence_parallel, tiled_mlp=tiled_mlp, kv_repeated=kv_repeated,
                   expandable_segments=expandable_segments)
-    setup = setup_for_fsdp2(**fields) if ds_config is None else setup_from_deepspeed(ds_config, **fields)
+    setup = setup_for_launch(ds_config, world_size=world_size, gpus_per_node=gpus_per_node, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")
     if result.fits is False:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from finetune_kit.data import formats, templates
 from finetune_kit.metering import trackers
-from finetune_kit.planning.hardware import GPUS
+from finetune_kit.planning.hardware import GPUS, NETWORKS
 
 
 def flag(default, help: str, **argparse):
@@ -116,11 +116,13 @@ class LoopArguments:
                                     "activations: less recompute, more memory)")
     levers: str = flag("explicit", "auto: before launch, set the micro-batch (keeping the global batch), "
                                    "checkpointing, loss kernel and compile to the fastest that fits this launch's GPUs "
-                                   "with a tenth of their memory free, printed in one line and kept in the run record "
-                                   "(the ranking of make plan BEST=1); explicit: the flags as given",
+                                   "(the ranking of make plan BEST=1, on their total memory or the cap), printed "
+                                   "in one line and kept in the run record; explicit: the flags as given",
                        choices=("explicit", "auto"))
     levers_gpu: str = flag(None, "with --levers auto: the GPU profile to rank for instead of this machine's GPU",
                            choices=tuple(GPUS))
+    levers_network: str = flag(None, "with --levers auto on more than one node (required there): the network between "
+                                     "the nodes, as make plan's NETWORK=", choices=tuple(NETWORKS))
     compile: bool = flag(False, "torch.compile each decoder layer (FSDP2 launches): fused kernels, for a compilation "
                                 "before the first step (models.compiled_layers)")
     fp8: str = flag("none", "fp8 matmuls in the decoder's linear layers (torchao float8, scales per tensor or per "

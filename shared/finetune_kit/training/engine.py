@@ -5,21 +5,29 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 from finetune_kit.launch import config_checks, fsdp
 from finetune_kit.metering import trackers
 from finetune_kit.models import fp8
 
 
-def start(checked, args):
+def start(checked, args, *, rendezvous_timeout: float = 300.0):
     """The Accelerator the launch config describes (gloo on CPU-only machines), seeded, with the trackers
     of ``--report-to`` open; the sampler is seedable, so a resumed run reads the data in the same order.
-    ``checked``: the launch's :class:`~finetune_kit.training.input_checks.CheckedLaunch`."""
+    ``checked``: the launch's :class:`~finetune_kit.training.input_checks.CheckedLaunch`, whose plan's memory cap
+    holds this rank's GPU before anything reaches it. First every rank compares the job's shape and its launch
+    plan with every other's (:meth:`~finetune_kit.training.launch_plan.LaunchPlan.handshake`, waiting at most
+    ``rendezvous_timeout`` seconds for a node): ranks that decided differently stop in one line, never hang."""
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 
+    from finetune_kit.launch import env, memory_cap
     from finetune_kit.launch.accelerator import make_accelerator
     from finetune_kit.launch.startup import import_muon_uncompiled
 
+    checked.plan.handshake(rendezvous_timeout)
+    if (capped := memory_cap.apply(checked.plan.memory_cap_GiB)) and env.is_main_rank():
+        print(capped, file=sys.stderr)
     if checked.fsdp is None:  # DeepSpeed's ZeRO check would import it with torch.compile's set-up (seconds per rank)
         import_muon_uncompiled(checked.ds_config)
     acc = make_accelerator(

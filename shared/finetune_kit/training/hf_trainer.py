@@ -21,6 +21,7 @@ has one (:mod:`finetune_kit.metering.prometheus`).
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -28,10 +29,11 @@ from transformers import Trainer, TrainerCallback
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.metering import keys, peak_memory
-from finetune_kit.metering.flops import FlopCounter, device_name, peak_tflops
+from finetune_kit.metering.flops import FlopCounter, device_name
 from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 from finetune_kit.models.activation_offload import offload_activations
+from finetune_kit.planning import hardware
 from finetune_kit.training.checkpointing import checkpoints
 from finetune_kit.training.checkpointing.adam_resume import replay_bias_correction
 from finetune_kit.training.stop import StopSignal, stop_line
@@ -50,7 +52,7 @@ class MeteredTrainer(Trainer):
         self.offload_activations = offload_activations
         self.flop_counter, self.endpoint, self.stopped_by = flop_counter, endpoint, None
         self.tally = StepTally(flop_counter)
-        self.rates = ThroughputMeter(self.args.world_size, peak_tflops=peak_tflops(device_name()))
+        self.rates = ThroughputMeter(self.args.world_size, peak_tflops=hardware.peak_bf16_tflops(device_name()))
         metering = MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero()), endpoint)
         # First, so the figures it adds to a logged step reach the --report_to trackers' callbacks.
         self.callback_handler.callbacks.insert(0, metering)
@@ -203,10 +205,12 @@ def training_arguments(checked, trainer_kwargs: dict, **fixed):
     raise only inside ``trainer.train()``."""
     from transformers import TrainingArguments
 
-    from finetune_kit.launch import config_checks
+    from finetune_kit.launch import config_checks, env, memory_cap
     from finetune_kit.launch.accelerator import trainer_cpu_overrides
     from finetune_kit.launch.env import collective_timeout_s
 
+    if (capped := memory_cap.apply(checked.plan.memory_cap_GiB)) and env.is_main_rank():  # before the model loads
+        print(capped, file=sys.stderr)
     kwargs = {**trainer_kwargs, **fixed}
     if kwargs.get("ddp_timeout") is None:
         kwargs["ddp_timeout"] = collective_timeout_s()

@@ -12,6 +12,7 @@ names the value, the rule and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from finetune_kit.models import fp8, tiled_mlp
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import Adapter, ModelShape, from_config
 from finetune_kit.planning import verdict
-from finetune_kit.training import lever_choice, sequence_parallel
+from finetune_kit.training import launch_plan, sequence_parallel
 from finetune_kit.training.checkpointing import checkpoints, resharding
 
 # What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
@@ -50,7 +51,7 @@ class CheckedLaunch:
     ds_path: Path | None  # the launched DeepSpeed JSON; None under FSDP2
     ds_config: dict  # its settings; {} under FSDP2
     fsdp: fsdp.FsdpLaunch | None  # the FSDP2 settings, when the launch config selects FSDP
-    memory_plan: verdict.Plan
+    plan: launch_plan.LaunchPlan  # the batch split, levers, memory cap and memory plan: decided once, here
     resume_from: Path | None  # the checkpoint to continue, or None for a fresh run
     identity: dict  # what a resumed checkpoint must share with this launch
     checkpoint_estimate: int  # bytes of the first checkpoint, before one exists to measure
@@ -104,8 +105,28 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         ds_path, ds_config = None, {}
     else:
         ds_path, ds_config = config_checks.launched_zero_config(zero_stage, launch=launch, configs=configs)
+    cap = memory_cap.requested()  # FINETUNE_GPU_MEMORY_GIB, parsed here alone: the plan carries it
+
+    def memory_kwargs_of(args) -> dict:
+        return dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
+                    gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
+                    recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
+                    loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
+                    offload_activations=args.offload_activations,
+                    sequence_parallel=getattr(args, "sequence_parallel", 1),
+                    tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter,
+                    # the causal recipes' forward takes no mask (data.model_inputs): SDPA keeps k, v at their
+                    # own heads; the classifier's padded rows reach it with theirs
+                    kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable())
+
+    choice = launch_plan.choose(args, model_config, None if fsdp_launch else ds_config, memory_kwargs_of(args),
+                                cap_GiB=cap, classifier=num_labels is not None,
+                                compile_ok=fsdp_launch is not None and _device_capability() is not None)
+    if choice:  # the checks below see what will run (the recipe applies checked.plan.flags likewise)
+        args = dataclasses.replace(args, **choice[0])
+    if fsdp_launch is None:
         config_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
-                                 world=env.world_size(), source=str(ds_path))
+                                        world=env.world_size(), source=str(ds_path))
     sequence_parallel.check(getattr(args, "sequence_parallel", 1), world=env.world_size(),
                             gpus_per_node=env.view().local_world_size, model_config=model_config,
                             max_seq_len=args.max_seq_len, attention=getattr(args, "attention", "auto"),
@@ -132,39 +153,16 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         checkpoints.check_same_run(checkpoint, identity)
         resharding.check_reshape(checkpoint, args, zero_stage, ds_config, data_ranks)
 
-    def memory_kwargs_of(args) -> dict:
-        return dict(micro_batch=args.micro_batch_size, seq_len=args.max_seq_len,
-                    gradient_checkpointing=args.gradient_checkpointing, num_labels=num_labels,
-                    recompute_every=_recompute_every(args.recompute_every, "--recompute-every"),
-                    loss_chunks=_loss_chunks(getattr(args, "loss_chunks", 0), "--loss-chunks"),
-                    offload_activations=args.offload_activations,
-                    sequence_parallel=getattr(args, "sequence_parallel", 1),
-                    tiled_mlp=getattr(args, "tiled_mlp", False), adapter=adapter, skip=args.skip_memory_check,
-                    # the causal recipes' forward takes no mask (data.model_inputs): SDPA keeps k, v at their
-                    # own heads; the classifier's padded rows reach it with theirs
-                    kv_repeated=num_labels is not None, expandable_segments=cuda_allocator.expandable())
-
-    if getattr(args, "levers_gpu", None) and getattr(args, "levers", "explicit") != "auto":
-        raise ConfigError(f"--levers-gpu {args.levers_gpu} without --levers auto: it names the GPU --levers auto "
-                          "ranks the settings for, and the flags are taken as given. Add --levers auto, or drop "
-                          "--levers-gpu.")
-    if getattr(args, "levers", "explicit") == "auto":  # before the memory check: it checks what will run
-        args.levers_chosen = lever_choice.apply(
-            args, model_config, None if fsdp_launch else ds_config, memory_kwargs=memory_kwargs_of(args),
-            loss_kernels=lever_choice.loss_kernels_here(args, classifier=num_labels is not None),
-            compile_ok=fsdp_launch is not None and _device_capability() is not None)
-        if fsdp_launch is None:
-            config_checks.check_batch_sizes(ds_config, micro_batch_size=args.micro_batch_size,
-                                            grad_accum=args.grad_accum, world=env.world_size(), source=str(ds_path))
-    memory_kwargs = memory_kwargs_of(args)
+    memory_kwargs = dict(memory_kwargs_of(args), skip=args.skip_memory_check)
+    decided = {"grad_accum": args.grad_accum, "loss_kernel": args.loss_kernel if hasattr(args, "loss_kernel") else None,
+               "compile": args.compile, "levers": choice[1] if choice else ""}
     return _common(
         recipe, model_config, shape, ds_path, ds_config, fsdp_launch, method=method, num_labels=num_labels,
-        memory_kwargs=memory_kwargs,
+        memory_kwargs=memory_kwargs, cap=cap, decided=decided,
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
-        script_args={k: v for k, v in vars(args).items()
-                     if k not in ("output", "resume", "report_to", "levers_chosen")})
+        script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
 def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> CheckedLaunch:
@@ -218,6 +216,7 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
                            loss_chunks=_loss_chunks(getattr(recipe_args, "loss_chunks", 0), "--loss_chunks"),
                            offload_activations=getattr(recipe_args, "offload_activations", False),
                            skip=recipe_args.skip_memory_check, skip_flag="--skip_memory_check", flags=TRAINER_FLAGS),
+        cap=memory_cap.requested(), decided={"grad_accum": trainer_kwargs["gradient_accumulation_steps"]},
         report_to=(trainer_kwargs.get("report_to"), "--report_to"), output=Path(trainer_kwargs["output_dir"]),
         layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
         check_resume=check_resume, identity=identity,
@@ -227,16 +226,19 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
 
 
 def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, ds_config: dict,
-            fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, report_to: tuple, output: Path,
+            fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, cap: float | None, decided: dict,
+            report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
             num_labels: int | None = None, data_ranks: int | None = None) -> CheckedLaunch:
-    """The checks both front ends share, in order: the GPU memory cap, memory, the model's tokenizer files, engine
-    needs, metrics, output, resume, disk."""
-    if (capped := memory_cap.apply()) and env.is_main_rank():  # before the model or data reach the GPU
-        print(capped, file=sys.stderr)
+    """The checks both front ends share, in order: memory (against the GPU's free memory, at most ``cap``), the
+    model's tokenizer files, engine needs, metrics, output, resume, disk. ``decided``: the launch plan's fields
+    that ``memory_kwargs`` does not hold (:class:`~finetune_kit.training.launch_plan.LaunchPlan`)."""
     plan = verdict.check_fits(shape, ds_config if fsdp_launch is None else None, world_size=env.world_size(),
-                            **memory_kwargs)
+                              memory_cap_GiB=cap, **memory_kwargs)
+    decision = launch_plan.LaunchPlan(
+        micro_batch_size=memory_kwargs["micro_batch"], gradient_checkpointing=memory_kwargs["gradient_checkpointing"],
+        recompute_every=memory_kwargs["recompute_every"], memory=plan, memory_cap_GiB=cap, **decided)
     models.check_tokenizer_files(model)
     if fsdp_launch is None:
         cuda_ops.check_ops(ds_config, quantized=method == "qlora")
@@ -259,7 +261,7 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate, layout), layout)
         if problem:
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
-    return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, plan, resume_from,
+    return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, decision, resume_from,
                          identity, estimate, script_args, method=method, num_labels=num_labels,
                          data_ranks=env.world_size() if data_ranks is None else data_ranks)
 

@@ -47,8 +47,9 @@ def _heldout(rows, ids: list[int]) -> list[dict]:
 def step_meter(accelerator, checked, model, args, total_steps: int, start):
     """The :class:`~finetune_kit.metering.step_meter.StepMeter` of this run: model FLOPs of the whole model, or
     of a frozen base plus what trains (LoRA, a head), from step ``start.step`` on."""
-    from finetune_kit.metering.flops import FlopCounter
+    from finetune_kit.metering.flops import FlopCounter, device_name
     from finetune_kit.metering.step_meter import StepMeter
+    from finetune_kit.planning import hardware
 
     if getattr(args, "fp8", "none") != "none":  # accelerate converted the layers in prepare: say how many
         from finetune_kit.models.fp8 import converted, speed_note
@@ -60,7 +61,8 @@ def step_meter(accelerator, checked, model, args, total_steps: int, start):
     flops = FlopCounter(checked.shape, num_labels=checked.num_labels, trainable=trainable,
                         head_trainable=trainable is not None and checked.num_labels is not None)
     return StepMeter(accelerator, flops, checked.output, total_steps=total_steps, initial_step=start.step,
-                     log_every=args.log_every, recipe=checked.recipe)
+                     log_every=args.log_every, recipe=checked.recipe,
+                     peak_tflops=hardware.peak_bf16_tflops(device_name()))
 
 
 def validation(step, result: dict, accelerator=None) -> dict:
@@ -120,8 +122,9 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             ds_config=checked.ds_config if checked.fsdp is None else checked.fsdp.as_dict(), engine=checked.engine,
             script_args=checked.script_args, world=acc.num_processes, nodes=env.num_nodes(), meter=rates,
             warmup_steps=args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
-            predicted_gpu_GiB=checked.memory_plan.gpu_bytes / 2**30,
-            training={"method": checked.method, "seq_len": args.max_seq_len, **batch, "loss_chunks": chunks,
+            predicted_gpu_GiB=checked.plan.memory.gpu_bytes / 2**30, memory_cap_GiB=checked.plan.memory_cap_GiB,
+            training={"method": checked.method, "seq_len": args.max_seq_len, **batch,
+                      **({"levers": checked.plan.levers} if checked.plan.levers else {}), "loss_chunks": chunks,
                       "loss_kernel": losses.loss_kernel(getattr(args, "loss_kernel", "chunked"))
                       if chunks else "none",
                       "offload_activations": bool(getattr(args, "offload_activations", False)), **(training or {})})
@@ -140,7 +143,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             eval_example_ids=split.eval_example_ids, seq_len=args.max_seq_len,
             micro_batch_size=batch["micro_batch_size"], grad_accum=batch["grad_accum"],
             saved_to=str(saved_to or ""), peak_memory=peak_memory.peaks(),
-            memory_plan=checked.memory_plan.to_dict(), ranks=ranks, details=details or {},
+            memory_plan=checked.plan.memory.to_dict(), ranks=ranks, details=details or {},
             settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
                       for k, v in checked.script_args.items()},
             finished_at=record.now(),
@@ -163,7 +166,6 @@ def batch_shape(args) -> dict:
     return {"micro_batch_size": args.micro_batch_size, "grad_accum": args.grad_accum,
             "gradient_checkpointing": bool(args.gradient_checkpointing), "recompute_every": args.recompute_every,
             "compiled": bool(getattr(args, "compile", False)),
-            **({"levers": args.levers_chosen} if getattr(args, "levers_chosen", "") else {}),
             **({"sequence_parallel": args.sequence_parallel} if getattr(args, "sequence_parallel", 1) > 1 else {}),
             **({"tiled_mlp": True} if getattr(args, "tiled_mlp", False) else {}),
             **({"fp8": args.fp8} if getattr(args, "fp8", "none") != "none" else {}),

@@ -12,7 +12,7 @@ from finetune_kit.errors import ConfigError
 from finetune_kit.launch import fsdp
 from finetune_kit.models.shapes import resolve_model
 from finetune_kit.planning import model_states, verdict
-from finetune_tools.planning import cli, recipe_tables
+from finetune_tools.planning import breakdown, cli, recipe_tables
 from tests.harness import REPO
 
 RECIPE = REPO / "recipes/llama3-8b-zero3"
@@ -116,7 +116,7 @@ def test_fsdp2_memory_hand_worked_llama3_8b():
     }
     p = verdict.plan("llama3-8b", verdict.setup_for_fsdp2(gpus_per_node=8, micro_batch=4, seq_len=2048))
     zero3 = verdict.plan("llama3-8b", verdict.Setup(gpus_per_node=8, micro_batch=4, seq_len=2048))
-    assert p.gpu_by_kind()["activations"] == zero3.gpu_by_kind()["activations"]  # the same activations
+    assert breakdown.gpu_by_kind(p)["activations"] == breakdown.gpu_by_kind(zero3)["activations"]  # the same ones
     assert p.host_bytes == 4 * psi  # DeepSpeed's ZeRO-3 estimator: 1.5 x 4 bytes x largest layer x 8 GPUs
 
 

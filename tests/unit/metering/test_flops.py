@@ -2,9 +2,10 @@
 
 import pytest
 
-from finetune_kit.metering.flops import FlopCounter, mfu_percent, peak_tflops
+from finetune_kit.metering.flops import FlopCounter, mfu_percent
 from finetune_kit.models import shapes
 from finetune_kit.models.shapes import resolve_model
+from finetune_kit.planning.hardware import peak_bf16_tflops
 
 LLAMA3_8B = resolve_model("llama3-8b")
 
@@ -73,7 +74,7 @@ def test_truncated_architecture_keeps_the_width():
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", None), ("cpu", None), (None, None),
 ])
 def test_peak_for_device_names(name, peak):
-    assert peak_tflops(name) == peak
+    assert peak_bf16_tflops(name) == peak  # the planner's GPU profiles: one table of peaks
 
 
 def test_no_mfu_without_a_peak():

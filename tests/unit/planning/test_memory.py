@@ -14,6 +14,7 @@ from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning import model_states, verdict
 from finetune_kit.planning.activations import activation_bytes
 from finetune_kit.planning.verdict import GiB, Setup, plan
+from finetune_tools.planning import breakdown
 
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}
@@ -319,7 +320,7 @@ def test_zero_infinity_puts_the_offloaded_states_on_disk_and_pinned_buffers_in_h
     assert setup.nvme and setup.offload_optimizer and setup.offload_param
     p = plan("llama3-8b", setup)
     psi = p.total_params
-    assert p.disk_bytes == 16 * psi + 2 * psi
+    assert breakdown.disk_bytes(p) == 16 * psi + 2 * psi
     assert p.host_parts == {"optimizer swap buffers (pinned)": 4 * 10**9 * 4,
                             "parameter swap buffers (pinned)": 5 * 6 * 10**8 * 2}
     cpu = plan("llama3-8b", Setup(gpus_per_node=1, offload_optimizer=True, offload_param=True, micro_batch=4,

@@ -80,7 +80,7 @@ def start_8b_recipe(monkeypatch, model, *extra, config="configs/zero3.json"):
     monkeypatch.chdir(recipe)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setattr(verdict, "local_gpu_memory_GiB", lambda: 80.0)  # as on one 80 GB GPU
+    monkeypatch.setattr(verdict, "local_gpu_memory_GiB", lambda *_, **__: 80.0)  # as on one 80 GB GPU
     # a 90 GiB checkpoint fits
     monkeypatch.setattr(checkpoints, "free_space_problem", lambda output, needed, layout=None: None)
     train = load_script(recipe / "train.py")

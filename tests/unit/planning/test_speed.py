@@ -10,7 +10,8 @@ import pytest
 
 from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
-from finetune_kit.planning.speed import Cluster, Efficiency, Job, bytes_per_step, predict
+from finetune_kit.planning.speed import CALIBRATED, Cluster, Efficiency, Job, bytes_per_step, predict
+from finetune_tools.planning import breakdown
 from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors
 from tests.harness import REPO
 
@@ -45,8 +46,8 @@ def test_across_nodes_the_network_share_of_each_gpu_limits_the_ring():
     sent = bytes_per_step(job, 8)
     assert one_node.intra_node_s == pytest.approx(sent / (450e9 * LINK_EFFICIENCY)) and one_node.inter_node_s == 0
     assert eth.inter_node_s == pytest.approx(sent / (12.5e9 * LINK_EFFICIENCY / 4))
-    assert eth.dominant == "inter-node" and one_node.dominant == "compute"
-    low, high = eth.tokens_per_s_range(8)
+    assert breakdown.dominant(eth) == "inter-node" and breakdown.dominant(one_node) == "compute"
+    low, high = breakdown.tokens_per_s_range(eth, 8)
     assert low < eth.tokens_per_s(8) < high < ib.tokens_per_s(8)
 
 
@@ -168,10 +169,8 @@ def run_planner(*argv: str) -> str:
 
 
 def test_the_planner_prints_fit_speed_time_and_cost_in_one_table():
-    calibration = str(REPO / "results/speed-calibration.json")
     text = run_planner("--recipe", str(REPO / "recipes/llama3-70b-qlora"), "--gpu", "h100", "--gpus-per-node", "4",
-                       "--nodes", "2", "--network", "eth100", "--tokens", "5e7", "--price", "3",
-                       "--calibration", calibration)
+                       "--nodes", "2", "--network", "eth100", "--tokens", "5e7", "--price", "3")
     assert "verdict: fits" in text and "speed on 8 x H100 SXM 80 GB, 100 Gb/s Ethernet per node" in text
     speed = float(re.search(r"tokens/s, all GPUs +([\d,]+)", text).group(1).replace(",", ""))
     hours = float(re.search(r"50,000,000 tokens +([\d,.]+) h", text).group(1).replace(",", ""))
@@ -180,7 +179,7 @@ def test_the_planner_prints_fit_speed_time_and_cost_in_one_table():
     assert cost == pytest.approx(hours * 8 * 3, rel=0.01)
     assert "dominant: inter-node" in text and "(ib400)" in text  # the network is the cheapest change
     ib = run_planner("--recipe", str(REPO / "recipes/llama3-70b-qlora"), "--gpu", "h100", "--gpus-per-node", "4",
-                     "--nodes", "2", "--network", "ib400", "--calibration", calibration)
+                     "--nodes", "2", "--network", "ib400")
     assert float(re.search(r"tokens/s, all GPUs +([\d,]+)", ib).group(1).replace(",", "")) > 5 * speed
 
 
@@ -192,7 +191,7 @@ def test_the_planner_counts_the_tokens_of_a_data_file_as_the_recipes_do(tiny_lla
     text = run_planner("--model", str(tiny_llama3), "--gpu", "h100", "--gpus-per-node", "1", "--seq-len", "128",
                        "--data", str(SAMPLE))
     _, counts = tokenize_rows(load_rows(str(SAMPLE)), load_tokenizer(str(tiny_llama3)), 128, cache="none")
-    assert f"{counts.tokens:,} tokens" in text and "uncalibrated defaults" in text
+    assert f"{counts.tokens:,} tokens" in text and CALIBRATED in text  # the package's constants, with no flag
 
 
 def test_a_gpu_family_with_runs_of_its_own_gets_its_own_compute_share():

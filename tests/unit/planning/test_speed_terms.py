@@ -32,7 +32,7 @@ def records() -> dict:
 
 @pytest.fixture(scope="module")
 def eff() -> speed.Efficiency:
-    return speed.calibrated(RESULTS / speed.CALIBRATION_FILE)[0]
+    return speed.calibrated()[0]
 
 
 def ratios(records, faster: str, slower: str, efficiency: speed.Efficiency) -> tuple[float, float]:

@@ -49,7 +49,7 @@ def test_the_fitted_planner_reproduces_each_measured_pair_and_the_published_fit_
 
 
 def test_the_calibration_file_holds_the_costs_fitted_on_the_records():
-    written, _ = calibrated(RESULTS / calibration.FILE)
+    written, _ = calibrated()
     fitted = fp8_pairs.fitted(fp8_pairs.pairs(RESULTS), EFFICIENCY)
     assert written.fp8_overhead == {k: float(f"{v:.4g}") for k, v in fitted.items()}
     for key in fitted:

@@ -11,6 +11,35 @@ from tests.unit.metering.test_run_record import a_record
 RESULTS = REPO / "results"
 
 
+def test_the_package_data_fitted_on_the_records_is_the_committed_one():
+    """The speed model's constants that --levers auto ranks with, and the fp8 speed-ups, are package data of the
+    runtime: what make results fits on results/ now, to the byte."""
+    for path, text in report.packaged_files(RESULTS).items():
+        assert (REPO / path).read_text() == text, f"{path} is not what 'make results' fits; run it and commit"
+
+
+def test_the_package_data_check_bites_on_changed_records(tmp_path):
+    """Negative control: every published speed tripled, the fitted constants differ from the committed ones."""
+    import csv
+    import shutil
+
+    from finetune_tools.results import calibration
+
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    with (results / "published.csv").open() as f:
+        reader = csv.DictReader(f)
+        rows, columns = list(reader), reader.fieldnames
+    for row in rows:
+        if row["tokens_per_s_per_device"]:
+            row["tokens_per_s_per_device"] = str(3 * float(row["tokens_per_s_per_device"]))
+    with (results / "published.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert report.packaged_files(results)[calibration.PACKAGED] != (REPO / calibration.PACKAGED).read_text()
+
+
 def test_committed_results_are_regenerated_byte_for_byte(tmp_path):
     for path in report.generate(RESULTS, tmp_path):
         committed = RESULTS / path.name

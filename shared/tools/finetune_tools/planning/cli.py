@@ -6,7 +6,7 @@
     python -m finetune_tools.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
-        --tokens 2e8 --price 2.5 --calibration results/speed-calibration.json   # fit, speed, time and cost
+        --tokens 2e8 --price 2.5   # fit, speed, time and cost
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --fp8 tensorwise  # fp8 over bf16
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --model llama3.1-8b --gpu h100 \
         --gpus-per-node 8 --sequence-parallel 8 --seq-len max   # the longest context, ALST's levers on
@@ -46,10 +46,11 @@ from finetune_kit.planning.verdict import (
     Plan,
     Setup,
     plan,
-    setup_for_fsdp2,
-    setup_from_deepspeed,
+    setup_for_launch,
     suggest,
 )
+from finetune_tools.paths import find_root
+from finetune_tools.planning import breakdown
 from finetune_tools.planning.fp8_speed import FP8_PUBLISHED, check_fp8, fp8_cost, fp8_share, predict_fp8
 from finetune_tools.planning.gpu_records import measured_settings
 from finetune_tools.planning.long_context import alst_levers, longest_context
@@ -84,7 +85,7 @@ def render_plan(p: Plan, flags: dict | None = None) -> str:
     out = head + text_table(["part", "per GPU (GiB)", "host per node (GiB)"], rows) + f"\n\nverdict: {p.verdict()}"
     if p.disk_parts:
         out += "\nNVMe disk per node: " + ", ".join(f"{n} {gib(v)} GiB" for n, v in p.disk_parts.items()) + \
-               f" (total {gib(p.disk_bytes)} GiB)"
+               f" (total {gib(breakdown.disk_bytes(p))} GiB)"
     if p.fits is False:
         fix = suggest(p.model, s, flags)
         out += f"\nsuggestion: {fix}" if fix else "\nsuggestion: nothing tried fits (smaller model or larger GPUs)"
@@ -146,7 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     cost.add_argument("--chat-template", default="auto",
                       help="with --data: the chat template the recipe will render it with (its --chat-template)")
     cost.add_argument("--price", type=float, help="price of one GPU-hour")
-    cost.add_argument("--calibration", type=Path, help="results/speed-calibration.json (make plan passes it)")
+    cost.add_argument("--calibration", type=Path,
+                      help="another speed-calibration.json (default: the package's, what make results fits and "
+                           "--levers auto ranks with)")
     cost.add_argument("--host-cores", type=int, default=HOST_CORES,
                       help="CPU cores per node that run the offloaded optimizer step (DeepSpeed's CPU Adam)")
     cost.add_argument("--host-memory-gbps", type=float, default=HOST_MEMORY_GBPS,
@@ -184,15 +187,16 @@ def setup_from_args(args) -> Setup:
     if args.lora_rank or args.qlora:
         targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
         adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
-    fields = dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_GiB=args.gpu_memory_GiB,
-                  host_memory_GiB=args.host_memory_GiB, micro_batch=args.micro_batch_size,
+    fields = dict(gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
+                  micro_batch=args.micro_batch_size,
                   seq_len=2048 if args.seq_len == MAX_SEQ else args.seq_len,
                   gradient_checkpointing=args.gradient_checkpointing, recompute_every=args.recompute_every,
                   loss_chunks=args.loss_chunks, offload_activations=args.offload_activations, adapter=adapter,
                   num_labels=args.num_labels, sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp)
+    setup = setup_for_launch(None if args.fsdp2 else ds, world_size=args.nodes * args.gpus_per_node,
+                             gpus_per_node=args.gpus_per_node, **fields)
     if args.fsdp2:
-        return setup_for_fsdp2(**fields)
-    setup = setup_from_deepspeed(ds, **fields)
+        return setup
     overrides = {k: getattr(args, k) for k in ("stage", "offload_optimizer", "offload_param")
                  if getattr(args, k) is not None}
     return replace(setup, **overrides)
@@ -214,16 +218,29 @@ LAUNCH_CONFIGS = {"ZeRO-3": "configs/zero3.yaml", "ZeRO-3 + optimizer offload": 
                   "FSDP2": "configs/fsdp2.yaml"}
 
 
+def engine_setups(base: Setup) -> list[Setup]:
+    """The engines a full fine-tune of ``base`` can run on, ``base``'s first: ZeRO-3, with and without optimizer
+    offload, and FSDP2 (a launch config picks one); an adapter keeps its engine."""
+    if base.adapter is None and base.engine == "deepspeed" and base.stage == 3:
+        return [replace(base, offload_optimizer=False), replace(base, offload_optimizer=True),
+                replace(base, engine="fsdp2", offload_optimizer=False, offload_param=False)]
+    if base.adapter is None and base.engine == "fsdp2":
+        return [base, replace(base, engine="deepspeed", stage=3), replace(base, engine="deepspeed", stage=3,
+                                                                         offload_optimizer=True)]
+    return [base]
+
+
 def render_best(p: Plan, args, recipe: Path | None) -> str:
     """Every setting the recipe can run on ``args``' hardware (:func:`finetune_kit.planning.levers.options`) at the
     plan's global batch, ranked: memory, tokens/s, hours, measured or predicted, and the exact flags."""
     efficiency, source = calibrated(args.calibration)
     cluster = cluster_of(p.setup, args)
     grad_accum = args.grad_accum or 4
-    results = Path(args.calibration).parent if args.calibration else None
-    found = measured_settings(results / "runs") if results and (results / "runs").is_dir() else {}
-    ranked = levers.rank(levers.options(p.model, p.setup, grad_accum, cluster, efficiency,
-                                        measured=lambda job, c: found.get(levers_key(job, c), "")))
+    runs = find_root(flag="--recipe inside the repository") / "results/runs" if recipe else None
+    found = measured_settings(runs) if runs and runs.is_dir() else {}
+    ranked = levers.rank([option for setup in engine_setups(p.setup)
+                          for option in levers.options(p.model, setup, grad_accum, cluster, efficiency,
+                                                       measured=lambda job, c: found.get(levers_key(job, c), ""))])
     tokens = args.tokens or (count_tokens(args) if args.data else None)
     rows = []
     for i, o in enumerate(ranked, 1):
@@ -238,7 +255,8 @@ def render_best(p: Plan, args, recipe: Path | None) -> str:
             f"{p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); the first "
             f"line is the fastest that fits with {100 * levers.HEADROOM:.0f}% of "
             f"{p.setup.gpu_memory_GiB:g} GiB free"
-            + ("" if first.fits() else " -- none does: the first is the fastest of those that do not") + ". "
+            + ("" if first.fits() else " -- none does: the first is the fastest of those that fit with less"
+               if first.fits(0.0) else " -- none fits at all: the first is the fastest of those that do not") + ". "
             f"Memory and speed predicted (constants: {source}); \"measured\" names the GPU record of that exact "
             "setting. --recipe's launch configs pick the engine.\n")
     return head + text_table(["#", "engine", "GiB per GPU", "fits", "tokens/s per GPU",
@@ -261,13 +279,13 @@ def render_speed(p: Plan, args) -> str:
     grad_accum = args.grad_accum or 4
     job = job_for(p.model, p.setup, grad_accum)
     pred = predict(job, cluster, efficiency)
-    low, high = pred.tokens_per_s_range(cluster.gpus)
+    low, high = breakdown.tokens_per_s_range(pred, cluster.gpus)
     rows = [["memory per GPU", f"{gib(p.gpu_bytes)} of {s.gpu_memory_GiB:g} GiB: "
                                  + ("fits" if p.fits is not False else "does not fit (see above)")],
             ["tokens/s per GPU", f"{pred.tokens_per_s(cluster.gpus):,.0f} (range {low:,.0f}-{high:,.0f})"],
             ["tokens/s, all GPUs", f"{pred.tokens_per_s(cluster.gpus) * cluster.gpus:,.0f}"],
-            ["per optimizer step (s)", ", ".join(f"{k} {v:.3f}" for k, v in pred.terms.items())
-             + f"; dominant: {pred.dominant}"]]
+            ["per optimizer step (s)", ", ".join(f"{k} {v:.3f}" for k, v in breakdown.terms(pred).items())
+             + f"; dominant: {breakdown.dominant(pred)}"]]
     tokens = args.tokens or (count_tokens(args) if args.data else None)
     if tokens:
         hours = tokens / (pred.tokens_per_s(cluster.gpus) * cluster.gpus) / 3600
@@ -328,7 +346,7 @@ def cheapest_change(job: Job, cluster: Cluster, efficiency, pred) -> str:
         gain = predict(j, c, efficiency).tokens_per_s(c.gpus) / base
         if gain >= 1.1:
             return f"{what}: {gain:.2f}x tokens/s"
-    return f"none of accumulation, network or offload gains 10%: {pred.dominant}-bound"
+    return f"none of accumulation, network or offload gains 10%: {breakdown.dominant(pred)}-bound"
 
 
 def count_tokens(args) -> int:

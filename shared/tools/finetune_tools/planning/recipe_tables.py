@@ -7,7 +7,8 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
-from finetune_kit.planning.verdict import GiB, Plan, Setup, plan, setup_for_fsdp2, setup_from_deepspeed, suggest
+from finetune_kit.planning.verdict import GiB, Plan, Setup, plan, setup_for_launch, suggest
+from finetune_tools.planning import breakdown
 from finetune_tools.tables import markdown_table
 
 SETUP_KEYS = ("nodes", "gpus_per_node", "gpu_memory_GiB", "host_memory_GiB", "micro_batch", "seq_len",
@@ -36,12 +37,10 @@ def recipe_setups(recipe_dir: Path, key: str = "setups") -> tuple[ModelShape, li
     for entry in spec.get(key, []):
         fields = {k: entry.get(k, spec.get(k)) for k in SETUP_KEYS if entry.get(k, spec.get(k)) is not None}
         config = recipe_dir / entry["config"]
-        if config.suffix in (".yaml", ".yml"):  # an accelerate FSDP launch config
-            setup = setup_for_fsdp2(adapter=adapter, num_labels=spec.get("num_labels"), **fields)
-        else:
-            ds = json.loads(config.read_text())
-            setup = setup_from_deepspeed(ds, adapter=adapter, num_labels=spec.get("num_labels"), **fields)
-        out.append((entry, setup))
+        ds = None if config.suffix in (".yaml", ".yml") else json.loads(config.read_text())  # .yaml: FSDP2's
+        nodes, per_node = fields.pop("nodes", 1), fields.pop("gpus_per_node", Setup.gpus_per_node)
+        out.append((entry, setup_for_launch(ds, world_size=nodes * per_node, gpus_per_node=per_node, adapter=adapter,
+                                            num_labels=spec.get("num_labels"), **fields)))
     return resolve_model(model), out
 
 
@@ -55,7 +54,7 @@ def recipe_table(recipe_dir: Path) -> str:
     plans = recipe_plans(recipe_dir)
     rows = []
     for entry, p in plans:
-        s, kinds = p.setup, p.gpu_by_kind()
+        s, kinds = p.setup, breakdown.gpu_by_kind(p)
         if p.fits:
             verdict = f"fits, {p.gpu_headroom_GiB:.1f} GiB free"
         else:
@@ -64,7 +63,7 @@ def recipe_table(recipe_dir: Path) -> str:
                                         f"{gib(fix.plan.host_bytes)} GiB host)" if fix else "")
         cpu = gib(p.host_bytes) + (f" of {s.host_memory_GiB:g}" if s.host_memory_GiB is not None else "")
         if p.disk_parts:
-            cpu += f" (+ {gib(p.disk_bytes)} on NVMe)"
+            cpu += f" (+ {gib(breakdown.disk_bytes(p))} on NVMe)"
         rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
                      f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
                      gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
@@ -93,7 +92,7 @@ def long_context_table(recipe_dir: Path) -> str:
     rows = []
     for entry, setup in setups:
         p = plan(shape, setup)
-        kinds = p.gpu_by_kind()
+        kinds = breakdown.gpu_by_kind(p)
         flags = [f"--sequence-parallel {setup.sequence_parallel}" if setup.sequence_parallel > 1 else "",
                  "--tiled-mlp" if setup.tiled_mlp else "", "--offload-activations" if setup.offload_activations else "",
                  f"--loss-chunks {setup.loss_chunks}"]
@@ -118,9 +117,10 @@ def logits_note(setup) -> str:
     return ""
 
 
-def speed_table(recipe_dir: Path, calibration: Path) -> str:
+def speed_table(recipe_dir: Path, calibration: Path | None = None) -> str:
     """The markdown speed table of the recipe's ``speed`` setups (memory_plan.json): predicted
-    tokens/s, the dominant term and the time and GPU-hours per 100 M tokens, accumulation 4."""
+    tokens/s, the dominant term and the time and GPU-hours per 100 M tokens, accumulation 4; with the package's
+    calibrated constants, or ``calibration``'s."""
     from finetune_kit.planning.hardware import gpu_profile, network_profile
     from finetune_kit.planning.speed import Cluster, calibrated, job_for, predict
 
@@ -131,17 +131,18 @@ def speed_table(recipe_dir: Path, calibration: Path) -> str:
         network = network_profile(entry["network"]) if entry.get("network") else None
         cluster = Cluster(gpu_profile(entry["gpu"]), setup.gpus_per_node, setup.nodes, network)
         pred = predict(job_for(shape, setup, 4), cluster, efficiency)
-        low, high = pred.tokens_per_s_range(cluster.gpus)
+        low, high = breakdown.tokens_per_s_range(pred, cluster.gpus)
         per_gpu = pred.tokens_per_s(cluster.gpus)
         hours = 1e8 / (per_gpu * cluster.gpus) / 3600
         rows.append([entry["label"], f"`{entry['config']}`", f"{per_gpu:,.0f} ({low:,.0f}-{high:,.0f})",
-                     f"{per_gpu * cluster.gpus:,.0f}", pred.dominant, f"{hours:,.1f}", f"{hours * cluster.gpus:,.0f}"])
+                     f"{per_gpu * cluster.gpus:,.0f}", breakdown.dominant(pred), f"{hours:,.1f}",
+                     f"{hours * cluster.gpus:,.0f}"])
     note = (f"Predicted by `make plan RECIPE={recipe_dir.name} GPU=... GPUS=... NODES=... NETWORK=...` at the "
             "defaults above and accumulation 4: the speed model of `shared/finetune_kit/planning/speed.py` "
             "with the constants `make results` fitted on every run of known speed "
-            "(`results/speed-calibration.json`; its held-out error per run is in `results/README.md`). "
-            "The range: communication hidden behind compute, "
-            "or not at all. Add `TOKENS=` (or `DATA=` and `MODEL=`) and `PRICE=` for your run's time and cost.")
+            "(`shared/finetune_kit/planning/speed-calibration.json`, package data; its held-out error per run is "
+            "in `results/README.md`). The range: communication hidden behind compute, or not at all. Add `TOKENS=` "
+            "(or `DATA=` and `MODEL=`) and `PRICE=` for your run's time and cost.")
     header = ["setup", "config", "tokens/s per GPU (range)", "tokens/s, all GPUs", "dominant term",
               "hours per 100 M tokens", "GPU-hours per 100 M tokens"]
     return note + "\n\n" + markdown_table(header, rows)

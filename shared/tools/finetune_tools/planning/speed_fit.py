@@ -1,5 +1,5 @@
 """The speed model's constants (:class:`finetune_kit.planning.speed.Efficiency`) fitted on runs of known speed, and
-each run's held-out error: what ``make results`` writes to ``results/speed-calibration.json``."""
+each run's held-out error: what ``make results`` writes to ``finetune_kit/planning/speed-calibration.json``."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def speed_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
     if source != "memory_plan.json":
         raise UserInputError(f"{recipe_dir / 'README.md'}: the speed-plan block is generated from memory_plan.json "
                              f"but its marker says '{source}'; use\n{begin('speed-plan', 'memory_plan.json')}")
-    return speed_table(recipe_dir, root / "results/speed-calibration.json")
+    return speed_table(recipe_dir)
 
 
 def long_context_plan_block(recipe_dir: Path, source: str, root: Path) -> str:

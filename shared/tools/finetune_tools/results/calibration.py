@@ -19,6 +19,7 @@ from finetune_kit.metering.run_record import RunRecord
 from finetune_kit.models.shapes import Adapter, resolve_model
 from finetune_kit.planning.hardware import GPUS, gpu_for_device
 from finetune_kit.planning.speed import CALIBRATION_FILE, HOST_CORES, Cluster, Efficiency, Job
+from finetune_tools.planning import breakdown
 from finetune_tools.planning.fp8_speed import fp8_cost
 from finetune_tools.planning.gpu_records import job_of, plain
 from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors, predict_observation
@@ -162,7 +163,10 @@ def measured_observations(folder: Path, pattern: str = "*.json", only_plain: boo
     return out
 
 
-FILE = CALIBRATION_FILE  # beside README.md: what `make plan` predicts speed with
+FILE = CALIBRATION_FILE
+# package data of the runtime (finetune_kit.planning), so that --levers auto ranks with it wherever the package is
+# installed; make results writes it in a checkout, and make plan reads it from the package
+PACKAGED = Path("shared/finetune_kit/planning") / CALIBRATION_FILE
 
 
 def observations(results: Path) -> list[tuple[Observation, str]]:
@@ -234,8 +238,9 @@ def table(results: Path) -> list[str]:
                  f"{f', fp8 {obs.fp8}' if obs.fp8 else ''}{', compiled' if obs.compiled else ''}, "
                  f"{c.gpus}x {c.gpu.name}, {j.micro_batch}x{j.seq_len}x{j.grad_accum}")
         predicted = obs.tokens_per_s_per_gpu * (1 + errors[obs.name])
+        dominant = breakdown.dominant(predict_observation(obs, fitted))
         lines.append(f"| {obs.name} | {obs.source} | {setup} | {obs.tokens_per_s_per_gpu:,.0f} | {predicted:,.0f} "
-                     f"| {100 * errors[obs.name]:+.0f}% | {predict_observation(obs, fitted).dominant} | {why} |")
+                     f"| {100 * errors[obs.name]:+.0f}% | {dominant} | {why} |")
     absolute = sorted(abs(e) for e in errors.values())
     median = absolute[len(absolute) // 2]
     fitted_errors = sorted(abs(errors[o.name]) for o in runs if o.fitted)

@@ -3,8 +3,9 @@
     python -m finetune_tools.results              # (make results) rewrite both files
     python -m finetune_tools.results --check      # exit 1 if the committed files are stale
 
-In a checkout (``results/`` beside ``shared/``) it also writes the measured fp8 speed-ups that a ``--fp8`` launch
-prints into the runtime package (:data:`finetune_tools.results.fp8_pairs.PACKAGED`), and ``--check`` compares it.
+In a checkout (``results/`` beside ``shared/``) it also writes the runtime package's data fitted on those records
+(:func:`packaged_files`): the measured fp8 speed-ups a ``--fp8`` launch prints and the speed model's constants that
+``--levers auto`` and ``make plan`` rank with; ``--check`` compares them.
 
 From any folder inside the repository: without ``--results`` it finds the repository's ``results/``.
 
@@ -25,9 +26,10 @@ from pathlib import Path
 from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.metering import keys
-from finetune_kit.metering.flops import FlopCounter, mfu_percent, peak_tflops
+from finetune_kit.metering.flops import FlopCounter, mfu_percent
 from finetune_kit.metering.run_record import RunRecord
 from finetune_kit.models.shapes import resolve_model
+from finetune_kit.planning.hardware import peak_bf16_tflops
 from finetune_tools.paths import find_root
 from finetune_tools.planning import long_context
 from finetune_tools.results import calibration, fp8_pairs, lever_runs, long_context_runs, smoke_page
@@ -86,7 +88,7 @@ def published_rows(path: Path) -> tuple[list[str], list[Row]]:
             # A frozen-base figure whose trainable count is unknown counts none: a lower bound.
             counter = FlopCounter(arch, trainable=0 if r["method"] == "frozen-base" else None)
             tflops = per_gpu * counter.per_token(seq_len) / 1e12
-            mfu = mfu_percent(tflops, peak_tflops(r["hardware"]))
+            mfu = mfu_percent(tflops, peak_bf16_tflops(r["hardware"]))
             source = f"[{r['source']}]({r['url']})" if r["url"] else r["source"]
             seq = f"{seq_len:,}" + ("" if r["seq_len_source"] == "stated" else "*")
             mark = " ‡" if r["id"] in calibration.REFERENCE else ""
@@ -398,11 +400,15 @@ def generate(results: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(page)
     plot(rows, out / "throughput.png")
-    (out / calibration.FILE).write_text(calibration.fitted_json(results))
     (out / long_context.FILE).write_text(long_context_runs.page(results))
     (out / smoke_page.FILE).write_text(smoke_page.render(results))
-    return [out / "README.md", out / "throughput.png", out / calibration.FILE, out / long_context.FILE,
-            out / smoke_page.FILE]
+    return [out / "README.md", out / "throughput.png", out / long_context.FILE, out / smoke_page.FILE]
+
+
+def packaged_files(results: Path) -> dict[Path, str]:
+    """The runtime's package data generated from ``results``, by path in the repository: the fp8 speed-ups and the
+    speed model's constants."""
+    return {fp8_pairs.PACKAGED: fp8_pairs.speedup_json(results), calibration.PACKAGED: calibration.fitted_json(results)}
 
 
 def main(argv=None) -> int:
@@ -418,22 +424,23 @@ def main(argv=None) -> int:
         except UserInputError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    packaged = args.results.parent / fp8_pairs.PACKAGED  # the runtime's copy of the fp8 figures, in a checkout
-    packaged = packaged if packaged.parent.is_dir() and args.out is None else None
+    root = args.results.parent  # the runtime's package data, in a checkout (not with --out)
+    packaged = packaged_files(args.results) if (root / fp8_pairs.PACKAGED).parent.is_dir() and args.out is None \
+        else {}
     if not args.check:
         for path in generate(args.results, args.out or args.results):
             print(f"wrote {path}")
-        if packaged:
-            packaged.write_text(fp8_pairs.speedup_json(args.results))
-            print(f"wrote {packaged}")
+        for path, text in packaged.items():
+            (root / path).write_text(text)
+            print(f"wrote {root / path}")
         return 0
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         stale = [p.name for p in generate(args.results, Path(tmp))
                  if p.read_bytes() != (args.results / p.name).read_bytes()]
-    if packaged and (not packaged.is_file() or packaged.read_text() != fp8_pairs.speedup_json(args.results)):
-        stale.append(f"../{fp8_pairs.PACKAGED}")
+    stale += [f"../{path}" for path, text in packaged.items()
+              if not (root / path).is_file() or (root / path).read_text() != text]
     if stale:
         print(f"stale: {', '.join(stale)} in {args.results}; run 'make results' and commit", file=sys.stderr)
         return 1
