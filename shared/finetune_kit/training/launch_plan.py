@@ -116,8 +116,10 @@ def choose(args, model_config, ds_config: dict | None, setup_fields: dict, *, ca
                           f"{', '.join(hardware.NETWORKS)} (make plan's NETWORK=), or drop --levers auto.")
     cluster = speed.Cluster(gpu, base.gpus_per_node, base.nodes, hardware.network_profile(network) if network else None)
     efficiency, source = speed.calibrated()
+    from finetune_kit.losses import liger_available
+
     kernels = ("none",) if classifier or not hasattr(args, "loss_kernel") or not base.loss_chunks else \
-        ("chunked", "liger") if _liger() else ("chunked",)  # those a launched run can use here
+        ("chunked", "liger") if liger_available() else ("chunked",)  # those a launched run can use here
     found = levers.options(model_config, base, args.grad_accum, cluster, efficiency, loss_kernels=kernels,
                            compile_ok=compile_ok)
     best = levers.rank(found)[0]
@@ -132,8 +134,8 @@ def choose(args, model_config, ds_config: dict | None, setup_fields: dict, *, ca
     flags = {"micro_batch_size": j.micro_batch, "grad_accum": j.grad_accum,
              "gradient_checkpointing": j.gradient_checkpointing, "recompute_every": j.recompute_every,
              **({"loss_kernel": j.loss_kernel} if j.loss_kernel != "none" else {}), "compile": j.compiled}
-    given = (f"--micro-batch-size {args.micro_batch_size} --grad-accum {args.grad_accum}"
-             + ("" if args.gradient_checkpointing else " --no-gradient-checkpointing"))
+    given = levers.flag_line(args.micro_batch_size, args.grad_accum, args.gradient_checkpointing, args.recompute_every,
+                             None, None)
     headroom = "" if best.tier() == 0 else (f"; none leaves {100 * levers.HEADROOM:.0f}% of the GPU free, this one "
                                             "fits with less")
     line = (f"levers auto: {best.describe()}, on {best.gpus} x {gpu.name}" + (f" over {network}" if network else "")
@@ -141,9 +143,3 @@ def choose(args, model_config, ds_config: dict | None, setup_fields: dict, *, ca
     if env.is_main_rank():
         print(line, file=sys.stderr)
     return flags, line
-
-
-def _liger() -> bool:
-    from finetune_kit import losses
-
-    return losses.liger_available()
