@@ -14,11 +14,9 @@ Launch from this folder on both nodes at the same time (shared model/data paths,
 
 Data: CSV files with a star ``rating`` (1-5) and the review ``text``; 1-2 stars -> negative, 4-5 -> positive,
 3 -> dropped (finetune_kit.data.reviews). Outputs under --output: checkpoints/step_N/, adapter/ (LoRA + head,
-for PeftModel.from_pretrained), merged/ (--merge: the base in 16-bit with the adapter merged, for plain
-transformers or vLLM), each with its model card README.md, heldout.jsonl (the held-out reviews, for `make eval`),
-metrics.jsonl (per logged step: loss, grad norm, tokens/s, TFLOP/s, MFU, memory), run_record.json
-(throughput medians, peak memory, hardware and library versions: what results/ collects), run_info.json (data
-split, per-rank shards, validations, LoRA settings, the memory plan).
+for PeftModel), merged/ (--merge: base + adapter in 16-bit, for transformers or vLLM), each with its model card,
+heldout.jsonl (for `make eval`), metrics.jsonl (per step: loss, tokens/s, MFU, memory), run_record.json (what
+results/ collects), run_info.json (data split, shards, validations, LoRA settings, the memory plan).
 """
 
 from __future__ import annotations
@@ -75,28 +73,31 @@ def check_inputs(argv=None):
     targets = qlora.parse_targets(args.lora_targets)
     checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH, configs=": use configs/zero3.json.",
                                       method="qlora", num_labels=len(reviews.LABELS),
-                                      adapter=qlora.adapter_plan(args.lora_rank, targets),
+                                      adapter=qlora.adapter_plan(args.lora_rank, targets, quantization(args)),
                                       resume_must_match={"model": args.model,  # the 4-bit base is rebuilt from it
                                                          "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
                                                                  f"targets {args.lora_targets}"})
-    qlora.check_prequantized(checked.model_config, dtype=args.dtype, model=args.model)  # a 4-bit folder: its settings
+    qlora.check_prequantized(checked.model_config, quantization(args), model=args.model)  # a 4-bit folder: the same
     args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
     return args, targets, checked, rows, counts
 
 
-def quantized_classifier_with_lora(args, targets, tokenizer):
-    """What trains: the 4-bit base (quantized as below while it loads, or a 4-bit folder as saved), LoRA, a head."""
-    quantization = BitsAndBytesConfig(
+def quantization(args) -> BitsAndBytesConfig:
+    """The 4-bit base this recipe trains on; a folder saved in 4-bit must have been saved with exactly these."""
+    return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
         bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved
         bnb_4bit_compute_dtype=qlora.parse_dtype(args.dtype, "--dtype"),  # matmuls run in it after dequantising
         bnb_4bit_quant_storage=qlora.parse_dtype(args.quant_storage, "--quant-storage"))  # ZeRO-3: = --dtype
-    model = qlora.load_quantized_classifier(args.model, quantization, pad_token_id=tokenizer.pad_token_id,
-                                            dtype=quantization.bnb_4bit_compute_dtype)
-    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=targets, task_type="SEQ_CLS", bias="none",
-                      modules_to_save=[qlora.HEAD])  # the new classification head trains in full
+
+
+def quantized_classifier_with_lora(args, targets, tokenizer, model_config):
+    """What trains: the 4-bit base (quantized as it loads, or a 4-bit folder as saved), LoRA, a head."""
+    bnb = None if qlora.prequantized(model_config) else quantization(args)  # a 4-bit folder: its own (= these)
+    model = qlora.load_quantized_classifier(args.model, bnb, pad_token_id=tokenizer.pad_token_id, dtype=args.dtype)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
+                      target_modules=targets, task_type="SEQ_CLS", modules_to_save=[qlora.HEAD])  # head: in full
     return qlora.add_lora(model, lora, gradient_checkpointing=args.gradient_checkpointing,
                           recompute_every=args.recompute_every)
 
@@ -122,7 +123,7 @@ def main(argv=None) -> None:
     schedule = training.Schedule.plan(len(held_out["train"]), args, checked.data_ranks)
 
     # ---- 4. Model: nf4 base loaded shard by shard (zero.Init), LoRA + head trainable ----
-    model = quantized_classifier_with_lora(args, targets, tokenizer)
+    model = quantized_classifier_with_lora(args, targets, tokenizer, checked.model_config)
     param_classes = qlora.parameter_classes(model)
     accelerator.print(f"parameters: {param_classes}")
 

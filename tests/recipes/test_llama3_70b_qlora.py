@@ -219,7 +219,8 @@ def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_ll
     assert all(t.numel() > 0 for t in tensors.values()), {k: t.shape for k, t in tensors.items()}
 
     tokenizer = loading.load_tokenizer(str(run / "adapter"))
-    base = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    base = qlora.load_quantized_classifier(str(tiny_llama3), qlora.bnb_config(torch.bfloat16, torch.bfloat16),
+                                           pad_token_id=tokenizer.pad_token_id)
     model = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
     qlora.keep_cpu_weights_unpacked(model)  # the numerics path the run used on CPU
 
@@ -234,7 +235,8 @@ def test_saved_adapter_reproduces_the_reported_validation(run, run_info, tiny_ll
     assert len(eval_rows) == len(wanted) == run_info["evals"][-1]["eval_reviews"]
     assert loss == pytest.approx(run_info["eval_loss"], abs=2e-3)
     assert accuracy == pytest.approx(run_info["eval_accuracy"], abs=1.01 / len(wanted))  # at most one review flips
-    untrained = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    untrained = qlora.load_quantized_classifier(str(tiny_llama3), qlora.bnb_config(torch.bfloat16, torch.bfloat16),
+                                                pad_token_id=tokenizer.pad_token_id)
     assert not torch.equal(untrained.score.weight, model.base_model.model.score.modules_to_save["default"].weight)
 
 

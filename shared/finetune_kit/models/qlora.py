@@ -1,6 +1,7 @@
 """4-bit (QLoRA) classifiers under DeepSpeed ZeRO-3: build, check, report, save, merge.
 
-The frozen base is bitsandbytes nf4 with double quantisation and bf16 compute; LoRA
+The frozen base is bitsandbytes nf4 with double quantisation and bf16 compute (a folder saved in 4-bit must
+have been saved with those settings, each compared: :func:`check_prequantized`); LoRA
 adapters (PEFT) and the classification head ``score`` train. Two rules ZeRO-3 imposes:
 
 - ``bnb_4bit_quant_storage`` must equal the model dtype. ZeRO-3 flattens and partitions
@@ -16,6 +17,7 @@ placeholder, so a plain ``save_pretrained`` writes zero-size adapter tensors:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,9 +65,20 @@ def parse_targets(text: str) -> str | list[str]:
     return names
 
 
-def adapter_plan(rank: int, targets: str | list[str]):
-    """The memory planner's description of this adapter (a 4-bit base)."""
-    return Adapter(rank=rank, targets=targets if targets == "all-linear" else tuple(targets))
+def adapter_plan(rank: int, targets: str | list[str], quantization=None):
+    """The memory planner's description of this adapter (a 4-bit base quantized by ``quantization``, a
+    ``BitsAndBytesConfig``; a folder saved in 4-bit: the checks read its own double quantization)."""
+    double_quant = bool(quantization.bnb_4bit_use_double_quant) if quantization is not None else True
+    return Adapter(rank=rank, targets=targets if targets == "all-linear" else tuple(targets), double_quant=double_quant)
+
+
+def as_saved(adapter: Adapter, model_config) -> Adapter:
+    """``adapter`` as the memory planner sees it with this folder: one saved in 4-bit keeps its quantization
+    constants as its config says (double quantized or not), whatever the recipe would quantize with."""
+    settings = prequantized(model_config)
+    if settings is None or not adapter.quantized:
+        return adapter
+    return replace(adapter, double_quant=bool(settings.get("bnb_4bit_use_double_quant", False)))
 
 
 def check_pad_token_fits(tokenizer, model_config, model: str) -> None:
@@ -84,9 +97,15 @@ def prequantized(model_config) -> dict | None:
     return settings if isinstance(settings, dict) else settings.to_dict()
 
 
-def check_prequantized(model_config, *, dtype: str, model: str) -> dict | None:
-    """A folder saved in 4-bit trains with its own settings where they agree with the recipe's: bitsandbytes 4-bit,
-    nf4, stored in ``dtype`` (what ZeRO-3 shards); a ConfigError naming both otherwise. None for a 16-bit folder."""
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_prequantized(model_config, wanted, *, model: str) -> dict | None:
+    """A folder saved in 4-bit trains with its own settings, so each must be what the recipe asks (``wanted``, its
+    ``BitsAndBytesConfig``): bitsandbytes 4-bit with the same quant type, double quantization, compute and storage
+    dtypes; one ConfigError naming each that differs, the folder's value and the recipe's. None for a 16-bit folder
+    (the recipe quantizes it with ``wanted`` as it loads); the folder's settings otherwise."""
     settings = prequantized(model_config)
     if settings is None:
         return None
@@ -96,21 +115,29 @@ def check_prequantized(model_config, *, dtype: str, model: str) -> dict | None:
         raise ConfigError(f"--model {model} is saved quantized by {method} ({bits}); this recipe trains on a "
                           "bitsandbytes 4-bit nf4 base. Pass the 16-bit folder (the recipe quantizes it as it loads) "
                           "or one saved in bitsandbytes 4-bit nf4.")
-    quant_type = settings.get("bnb_4bit_quant_type", "fp4")  # bitsandbytes' default
-    if quant_type != "nf4":
-        raise ConfigError(f"--model {model} stores its weights as bitsandbytes {quant_type}; this recipe's base is "
-                          "nf4 (normal-float 4-bit). Pass the 16-bit folder (the recipe quantizes it to nf4 as it "
-                          "loads) or a folder saved with bnb_4bit_quant_type='nf4'.")
-    storage = str(settings.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    if storage != dtype:
-        raise ConfigError(f"--model {model} stores its 4-bit weights as {storage}; under DeepSpeed ZeRO-3 they must be "
-                          f"stored in the model dtype, --dtype {dtype}, to be sharded with the other parameters. Pass "
-                          "the 16-bit folder (the recipe quantizes it as it loads), or save the 4-bit folder with "
-                          f"bnb_4bit_quant_storage={dtype}.")
+    fields = (  # (key, the folder's value with bitsandbytes' default, the recipe's, what it decides)
+        ("bnb_4bit_quant_type", settings.get("bnb_4bit_quant_type", "fp4"), wanted.bnb_4bit_quant_type,
+         "the 4-bit code the weights are stored in"),
+        ("bnb_4bit_use_double_quant", bool(settings.get("bnb_4bit_use_double_quant", False)),
+         bool(wanted.bnb_4bit_use_double_quant), "whether the quantization constants are quantized too"),
+        ("bnb_4bit_compute_dtype", _name(settings.get("bnb_4bit_compute_dtype", "float32")),
+         _name(wanted.bnb_4bit_compute_dtype), "the dtype the matmuls run in: --dtype"),
+        ("bnb_4bit_quant_storage", _name(settings.get("bnb_4bit_quant_storage", "uint8")),
+         _name(wanted.bnb_4bit_quant_storage), "the dtype the 4-bit weights are stored as: under ZeRO-3 --dtype, "
+         "so they are sharded with the other parameters"),
+    )
+    differ = [(key, saved, asked, what) for key, saved, asked, what in fields if saved != asked]
+    if differ:
+        which = "; ".join(f"{key} {saved} where the recipe asks {asked} ({what})" for key, saved, asked, what in differ)
+        fix = ", ".join(f"{key}={asked}" for key, _, asked, _ in differ)
+        raise ConfigError(f"--model {model} is saved in bitsandbytes 4-bit with settings this recipe does not train "
+                          f"with: {which}. Pass the 16-bit folder (the recipe quantizes it as it loads), or save the "
+                          f"4-bit folder with {fix}.")
     return settings
 
 
 def bnb_config(dtype: torch.dtype, quant_storage: torch.dtype):
+    """The 70B recipe's 4-bit settings (its train.py writes them out), for the tools and tests that build its base."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
@@ -122,22 +149,22 @@ def bnb_config(dtype: torch.dtype, quant_storage: torch.dtype):
     )
 
 
-def load_quantized_classifier(model: str, quantization=None, *, pad_token_id: int, num_labels: int = 2,
-                              dtype: torch.dtype = torch.bfloat16, quant_storage: torch.dtype = torch.bfloat16,
-                              device_map=None):
+def load_quantized_classifier(model: str, quantization, *, pad_token_id: int, num_labels: int = 2,
+                              dtype: torch.dtype | str = torch.bfloat16, device_map=None):
     """``AutoModelForSequenceClassification`` with a 4-bit base (frozen) and a new ``score`` head.
 
-    ``quantization``: a ``BitsAndBytesConfig`` (None: :func:`bnb_config` of ``dtype`` and
-    ``quant_storage``) for a 16-bit folder; a folder saved in 4-bit (:func:`prequantized`) loads with its own.
-    Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank loads only its shard.
+    ``quantization``: the ``BitsAndBytesConfig`` a 16-bit folder is quantized with as it loads; None for a folder
+    saved in 4-bit (:func:`prequantized`), which loads with its own settings (:func:`check_prequantized` proved them
+    the recipe's). Under ZeRO-3 (an Accelerator with ``zero3_init_flag`` exists) each rank loads only its shard.
     ``pad_token_id`` goes into the config: the classifier reads the last non-pad token of each row and refuses
-    batches of several rows without it.
+    batches of several rows without it. ``dtype``: the model's (``--dtype``, or its name).
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
+    dtype = parse_dtype(dtype, "--dtype") if isinstance(dtype, str) else dtype
     kwargs = {"device_map": device_map} if device_map else {}
-    if not prequantized(AutoConfig.from_pretrained(model)):
-        kwargs["quantization_config"] = quantization or bnb_config(dtype, quant_storage)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     net = AutoModelForSequenceClassification.from_pretrained(
         model, num_labels=num_labels, dtype=dtype, attn_implementation=ATTENTION, **kwargs)
     net.config.pad_token_id = pad_token_id
@@ -240,13 +267,23 @@ def trainable_state_dict(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().clone() for name, p in params.items()}
 
 
+# transformers keeps how a model was loaded as ``model._weight_conversions`` (core_model_loading.py), a list of
+# WeightConverter whose ``operations`` hold, for a 4-bit folder, bitsandbytes' Bnb4bitDeserialize: written for
+# transformers 5.17 (the GPU host's) to 5.23 (the pinned stack's); tests/unit/models/test_qlora.py fails when the
+# attribute or the class moves.
+WEIGHT_CONVERSIONS = "_weight_conversions"
+WRITTEN_FOR_TRANSFORMERS = ("5.17", "5.23")
+
+
 def forget_4bit_loading(net):
-    """A dequantized model that saves as a plain one. transformers 5 keeps the loading's 4-bit deserializer
-    (``Bnb4bitDeserialize``) among the model's weight conversions after ``dequantize()``, and ``save_pretrained``
-    then tries to reverse it (NotImplementedError); the weights are plain now, so it goes."""
-    conversions = getattr(net, "_weight_conversions", None) or []
-    net._weight_conversions = [c for c in conversions
-                               if not any("Bnb" in type(op).__name__ for op in getattr(c, "operations", ()))]
+    """A dequantized model that saves as a plain one. transformers 5 keeps the loading's 4-bit deserializer among
+    the model's weight conversions after ``dequantize()``, and ``save_pretrained`` then tries to reverse it
+    (NotImplementedError); the weights are plain now, so it goes."""
+    from transformers.integrations.bitsandbytes import Bnb4bitDeserialize, Bnb4bitQuantize
+
+    conversions = getattr(net, WEIGHT_CONVERSIONS, None) or []
+    setattr(net, WEIGHT_CONVERSIONS, [c for c in conversions if not any(
+        isinstance(op, (Bnb4bitDeserialize, Bnb4bitQuantize)) for op in getattr(c, "operations", ()))])
     return net
 
 

@@ -87,6 +87,10 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     if (allocator := cuda_allocator.use_expandable_segments(args)) and env.is_main_rank():  # before CUDA starts
         print(allocator, file=sys.stderr)
     model_config, shape = _model(args.model, args.max_seq_len, causal=num_labels is None)
+    if adapter is not None and adapter.quantized:
+        from finetune_kit.models.qlora import as_saved
+
+        adapter = as_saved(adapter, model_config)  # a folder saved in 4-bit: planned as it stores its constants
     _data_workers(getattr(args, "data_workers", 0), "--data-workers")
     _samples(args, "-")
     _attention(getattr(args, "attention", "auto"), "--attention")

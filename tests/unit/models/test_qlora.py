@@ -8,6 +8,9 @@ import torch
 from finetune_kit.errors import ConfigError
 from finetune_kit.models import qlora
 from finetune_kit.models.shapes import Adapter
+from tests.harness import REPO, load_script
+
+RECIPE_4BIT = qlora.bnb_config(torch.bfloat16, torch.bfloat16)  # what the 70B recipe quantizes with (checked below)
 
 RANK, ALPHA = 4, 8
 # The tiny Llama 3 (models.tiny): hidden 64, ffn 224, 8 heads / 2 KV heads of 8, 2 layers, vocab 512.
@@ -63,19 +66,34 @@ def saved(**settings) -> SimpleNamespace:
 
 
 def test_a_4bit_folder_of_the_recipes_settings_is_taken_with_them():
-    assert qlora.check_prequantized(saved(), dtype="bfloat16", model="m") == SAVED_4BIT
-    assert qlora.check_prequantized(SimpleNamespace(), dtype="bfloat16", model="m") is None  # a 16-bit folder
+    assert qlora.check_prequantized(saved(), RECIPE_4BIT, model="m") == SAVED_4BIT
+    assert qlora.check_prequantized(SimpleNamespace(), RECIPE_4BIT, model="m") is None  # a 16-bit folder
+
+
+def test_the_recipe_asks_for_the_settings_the_tools_build_it_with():
+    """train.py writes its BitsAndBytesConfig out; qlora.bnb_config (the tiny 4-bit folder, these tests) is the same."""
+    recipe = load_script(REPO / "recipes/llama3-70b-qlora/train.py")
+    asked = recipe.quantization(recipe.parse_args(["--data", "x.csv"]))
+    assert asked.to_dict() == RECIPE_4BIT.to_dict()
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"bnb_4bit_quant_storage": "uint8"}, "stores its 4-bit weights as uint8; .* --dtype bfloat16"),
-    ({"bnb_4bit_quant_type": "fp4"}, "stores its weights as bitsandbytes fp4; this recipe's base is nf4"),
+    ({"bnb_4bit_quant_storage": "uint8"}, r"bnb_4bit_quant_storage uint8 where the recipe asks bfloat16 \(the dtype "
+                                          r"the 4-bit weights are stored as: under ZeRO-3 --dtype"),
+    ({"bnb_4bit_quant_type": "fp4"}, r"bnb_4bit_quant_type fp4 where the recipe asks nf4"),
+    ({"bnb_4bit_compute_dtype": "float16"}, r"bnb_4bit_compute_dtype float16 where the recipe asks bfloat16 \(the "
+                                            r"dtype the matmuls run in: --dtype\)"),
+    ({"bnb_4bit_use_double_quant": False}, r"bnb_4bit_use_double_quant False where the recipe asks True"),
+    ({"bnb_4bit_compute_dtype": "float16", "bnb_4bit_use_double_quant": False},
+     r"bnb_4bit_use_double_quant False where .*; bnb_4bit_compute_dtype float16 where .* save the 4-bit folder with "
+     r"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16\.$"),
     ({"load_in_4bit": False, "load_in_8bit": True}, r"saved quantized by bitsandbytes \(8-bit\)"),
     ({"quant_method": "gptq", "bits": 4}, r"saved quantized by gptq \(4\)"),
-], ids=["uint8-storage", "fp4", "8-bit", "gptq"])
+], ids=["uint8-storage", "fp4", "fp16-compute", "no-double-quant", "two-fields", "8-bit", "gptq"])
 def test_a_4bit_folder_that_contradicts_the_recipe_is_refused_naming_both(settings, message):
-    with pytest.raises(ConfigError, match=message):
-        qlora.check_prequantized(saved(**settings), dtype="bfloat16", model="m")
+    with pytest.raises(ConfigError, match=message) as err:
+        qlora.check_prequantized(saved(**settings), RECIPE_4BIT, model="m")
+    assert "\n" not in str(err.value)
 
 
 def test_a_saved_4bit_folder_round_trips_and_merges_to_plain_bf16(tiny_llama3, tiny_llama3_4bit, tmp_path):
@@ -84,10 +102,9 @@ def test_a_saved_4bit_folder_round_trips_and_merges_to_plain_bf16(tiny_llama3, t
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(tiny_llama3_4bit)
-    assert qlora.check_prequantized(config, dtype="bfloat16", model=str(tiny_llama3_4bit))["bnb_4bit_quant_type"] \
-        == "nf4"
-    net = qlora.load_quantized_classifier(str(tiny_llama3_4bit), pad_token_id=0)
-    fresh = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=0)  # quantized as it loads
+    assert qlora.check_prequantized(config, RECIPE_4BIT, model=str(tiny_llama3_4bit))["bnb_4bit_quant_type"] == "nf4"
+    net = qlora.load_quantized_classifier(str(tiny_llama3_4bit), None, pad_token_id=0)
+    fresh = qlora.load_quantized_classifier(str(tiny_llama3), RECIPE_4BIT, pad_token_id=0)  # quantized as it loads
     for (name, a), (_, b) in zip(net.named_parameters(), fresh.named_parameters(), strict=True):
         if "score" not in name:  # nf4 of the same weights, whichever way (packed bytes compared: some read as NaN)
             assert torch.equal(a.data.view(torch.int16), b.data.view(torch.int16)), name
@@ -98,10 +115,45 @@ def test_a_saved_4bit_folder_round_trips_and_merges_to_plain_bf16(tiny_llama3, t
     assert torch.equal(back.model.layers[0].mlp.down_proj.weight, plain.model.layers[0].mlp.down_proj.weight)
 
 
+def test_the_4bit_loading_forget_4bit_loading_removes_is_where_it_was_written_for(tiny_llama3_4bit, tmp_path):
+    """transformers keeps the 4-bit deserializer as model._weight_conversions; a transformers that moves it (or
+    renames the class), or one outside the versions the workaround was checked on, fails here first. The negative
+    control: without the workaround, saving the dequantized model raises."""
+    import transformers
+    from transformers.integrations.bitsandbytes import Bnb4bitDeserialize
+
+    lowest, highest = (tuple(map(int, v.split("."))) for v in qlora.WRITTEN_FOR_TRANSFORMERS)
+    assert lowest <= tuple(map(int, transformers.__version__.split(".")[:2])) <= highest, transformers.__version__
+    net = qlora.load_quantized_classifier(str(tiny_llama3_4bit), None, pad_token_id=0)
+    conversions = getattr(net, qlora.WEIGHT_CONVERSIONS)
+    assert any(isinstance(op, Bnb4bitDeserialize) for c in conversions for op in c.operations)
+    dequantized = net.dequantize(dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError):
+        dequantized.save_pretrained(tmp_path / "without")
+    qlora.forget_4bit_loading(dequantized).save_pretrained(tmp_path / "with")
+    assert (tmp_path / "with/config.json").is_file()
+
+
 def test_targets_and_adapter_plan():
     assert qlora.parse_targets("all-linear") == "all-linear"
     assert qlora.parse_targets("q_proj,v_proj") == ["q_proj", "v_proj"]
     assert qlora.adapter_plan(16, "all-linear") == Adapter(rank=16, targets="all-linear", quantized=True)
+    no_double = qlora.bnb_config(torch.bfloat16, torch.bfloat16)
+    no_double.bnb_4bit_use_double_quant = False
+    assert not qlora.adapter_plan(16, "all-linear", no_double).double_quant
+
+
+def test_the_planner_takes_a_4bit_folders_own_double_quantization():
+    """The checks plan a folder saved in 4-bit with the constants it stores (qlora.as_saved, in for_accelerate):
+    without double quantization they take 0.047 more bytes a weight (0.37 bit), which the plan then counts."""
+    from finetune_kit.planning.model_states import nf4_bytes_per_param
+
+    planned = qlora.adapter_plan(16, "all-linear", RECIPE_4BIT)
+    assert planned.double_quant
+    assert not qlora.as_saved(planned, saved(bnb_4bit_use_double_quant=False)).double_quant
+    assert qlora.as_saved(planned, saved()) == planned  # the recipe's own settings
+    assert qlora.as_saved(planned, SimpleNamespace()) == planned  # a 16-bit folder: quantized as the recipe asks
+    assert nf4_bytes_per_param(False) - nf4_bytes_per_param(True) == pytest.approx(0.0466, abs=1e-4)
     plan = qlora.adapter_plan(8, ["q_proj", "v_proj"])
     assert plan.targets == ("q_proj", "v_proj") and plan.rank == 8 and plan.quantized  # hashable for the planner
 
@@ -137,7 +189,7 @@ def qlora_run(tiny_llama3, tmp_path_factory):
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(tiny_llama3))
-    model = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=tokenizer.pad_token_id)
+    model = qlora.load_quantized_classifier(str(tiny_llama3), RECIPE_4BIT, pad_token_id=tokenizer.pad_token_id)
     model = qlora.add_lora(model, lora(RANK, ALPHA))
     initial = qlora.trainable_state_dict(model)
     batch = tokenizer(["the quick brown fox jumps over the dog", "hello"], padding=True, return_tensors="pt")
@@ -252,6 +304,6 @@ def test_merge_folds_the_adapter_into_a_plain_bf16_classifier(qlora_run, tmp_pat
 
 def test_lora_target_matching_no_layer_is_refused(tiny_llama3):
     """PEFT adapts q_proj and silently skips a misspelt name next to it; the recipe stops instead."""
-    base = qlora.load_quantized_classifier(str(tiny_llama3), pad_token_id=0)
+    base = qlora.load_quantized_classifier(str(tiny_llama3), RECIPE_4BIT, pad_token_id=0)
     with pytest.raises(ConfigError, match=r"--lora-targets names \['vproj'\], which match no layer"):
         qlora.add_lora(base, lora(4, 8, qlora.parse_targets("q_proj, vproj")), gradient_checkpointing=False)
