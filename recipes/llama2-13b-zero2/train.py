@@ -78,8 +78,8 @@ def check_inputs(argv=None):
     runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args, trainer_flags = parse_args(argv)
     checked = training.for_trainer(RECIPE, args, trainer_flags, zero_stage=2, configs=CONFIGS)
-    rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
-    data.check_template(rows, args.model, args.chat_template)  # rows with tool calls need a template for them
+    rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field, split=args.data_split,
+                          chat_template=args.chat_template, model=args.model)  # tool calls: the template is proven
     return args, trainer_flags, checked, rows
 
 
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     with targs.main_process_first(local=True, desc="tokenising"):  # one process per node, or --data_cache
         examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, template,
                                               cache=args.data_cache, workers=args.data_workers)
-    train_set, eval_set = data.holdout_split(examples, args.eval_fraction, targs.seed)
+    train_set, eval_set = data.holdout_split(examples, args.eval_fraction, targs.seed, rows)
     if args.pack:  # whole examples per sequence, attention kept inside each
         train_set = data.pack(train_set, args.max_seq_len)
     split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows

@@ -62,8 +62,8 @@ def check_inputs(argv=None):
     checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH,
                                       configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
-    rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field)
-    data.check_template(rows, args.model, args.chat_template)  # rows with tool calls need a template for them
+    rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field, split=args.data_split,
+                          chat_template=args.chat_template, model=args.model)  # tool calls: the template is proven
     return args, checked, rows
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     with accelerator.local_main_process_first():  # one process per node tokenises, or reads --data-cache
         examples, counts = data.tokenize_rows(rows, tokenizer, args.max_seq_len, template,
                                               cache=args.data_cache, workers=args.data_workers)
-    train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed)
+    train_set, eval_set = data.holdout_split(examples, args.eval_fraction, args.seed, rows)
     train_set = data.pack(train_set, args.max_seq_len) if args.pack else train_set  # --pack: whole examples a row
     split = training.DataSplit.of(train_set, eval_set, counts, rows)  # sizes, and the held-out rows
     prompts = training.sample_prompts(args, split.heldout, tokenizer, template)  # --samples: answered at the end

@@ -583,24 +583,28 @@ def test_multi_turn_packed_run_counts_its_data(chat_run, tiny_llama3):
 def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
     """One optimizer step per remaining format (messages and prompt/response run above; ShareGPT in the 13B
     recipe's test), the launches side by side, their ranks warm: Alpaca from JSONL, prompt/completion from a
-    Parquet file, and the tool-calling sample (messages with tool calls and results, a tools column) through
-    --chat-template llama3.1 on 2 ranks that share each packed sequence, with a held-out split and sample
-    answers. Its held-out rows read back as make eval reads them."""
+    folder of Parquet files as a hub dataset keeps them (train, validation and test splits: it trains on train and
+    validates on validation, and reads no test row), and the tool-calling sample (messages with tool calls and
+    results, a tools column) through --chat-template llama3.1 on 2 ranks that share each packed sequence, with a
+    held-out split and sample answers. Its held-out rows read back as make eval reads them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from finetune_kit.data import templates
+    from finetune_kit.data import formats, templates
     from finetune_kit.metering.run_record import RunRecord
     from finetune_tools.harness.tasks import conversation_pair
 
-    parquet = tmp_path / "prompt_completion.parquet"
-    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in
-                                         (SAMPLES / "prompt_completion.jsonl").read_text().splitlines()]), parquet)
+    parquet = tmp_path / "prompt_completion"  # 44 train rows, 4 validation, 12 test
+    table = pa.Table.from_pylist([json.loads(line) for line in
+                                  (SAMPLES / "prompt_completion.jsonl").read_text().splitlines()])
+    (parquet / "data").mkdir(parents=True)
+    for split, (start, end) in {"train": (0, 44), "validation": (44, 48), "test": (48, 60)}.items():
+        pq.write_table(table.slice(start, end - start), parquet / f"data/{split}-00000-of-00001.parquet")
     common = ("--model", str(tiny_llama3), "--micro-batch-size", "2", "--grad-accum", "1", "--max-steps", "1",
               "--save-every", "0")
     runs = {"alpaca": (SAMPLES / "alpaca.jsonl", ("--max-seq-len", "128", "--eval-fraction", "0"), 1),
-            "prompt_completion": (parquet, ("--max-seq-len", "128", "--eval-fraction", "0"), 1),
+            "prompt_completion": (parquet, ("--max-seq-len", "128", "--samples", "0"), 1),
             "tools": (SAMPLES / "tools.jsonl", ("--chat-template", "llama3.1", "--max-seq-len", "512", "--pack",
                                                 *SEQUENCE_PARALLEL, "--eval-fraction", "0.25", "--samples", "2",
                                                 "--sample-tokens", "24"), 2)}
@@ -612,6 +616,11 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
         want = {"tools": "messages, chat template llama3.1"}.get(name, f"{name.replace('_', '-')}, chat template "
                                                                         "tokenizer's own")
         assert f"({want})" in proc.stdout, name
+    assert ("split 'train', held out: its 'validation' split (4 rows) in place of --eval-fraction, 'test' (12 rows) "
+            "not read") in procs[1].stdout
+    info = read_run_info(tmp_path / "prompt_completion")
+    assert (info["train_examples"], info["eval_example_ids"]) == (44, [44, 45, 46, 47])
+    assert all(i < 44 for rank in info["ranks"] for i in rank["example_ids"])  # trained on train rows alone
     # the tool calls: trained on 2 ranks sharing each packed sequence, the run's model saved with the template
     run = tmp_path / "tools"
     record = RunRecord.read(run / "run_record.json")
@@ -626,8 +635,8 @@ def test_every_format_trains(recipe_copy, tiny_llama3, tmp_path):
     # make eval's heldout task (its documents, without importing lm-eval here, which sets an environment variable
     # the warm launches after this test would differ in): the context runs to the tool's result and the header
     template = templates.ChatTemplate("the model's", tokenizer.chat_template)
-    after_results = [dict(zip(("context", "target"), conversation_pair(tokenizer, template, row["messages"],
-                                                                        row.get("tools")), strict=True))
+    after_results = [dict(zip(("context", "target"), conversation_pair(
+        tokenizer, template, formats.Conversation.from_record(row)), strict=True))
                      for row in heldout if row["messages"][-2]["role"] == "tool"]
     assert after_results and all(re.search(r"<\|start_header_id\|>ipython<\|end_header_id\|>\n\n[^<]*<\|eot_id\|>"
                                            r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n$", d["context"])
@@ -1116,7 +1125,7 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("classifier_as_model", r"model '.*classifier' is a sequence classifier \(LlamaForSequenceClassification: a "
                             r"score head of 2 labels, no LM head\); this recipe trains a causal LM"),
     ("tools_without_a_template_for_them", r"data '.*tools\.jsonl' has 44 row\(s\) with tools, but the chat template "
-                                          r"'tokenizer's own' cannot render tool calling \(its text leaves out the "
+                                          r"'tokenizer's own' cannot train tool calling \(its text leaves out the "
                                           r"tool schemas and the tool call\)\. Pass --chat-template llama3\.1"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "

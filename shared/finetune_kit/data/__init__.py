@@ -1,7 +1,7 @@
 """What the model reads: instruction data in several formats (:mod:`.formats`) rendered by chat
-templates (:mod:`.templates`) and tokenised (:mod:`.instructions`, with :mod:`.counts` of what it kept),
-batched padded or packed (:mod:`.batching`); review CSVs (:mod:`.reviews`); the shipped samples
-(``samples/``). The names a recipe needs are importable from here."""
+templates (:mod:`.templates`), labelled (:mod:`.loss_mask`) and tokenised (:mod:`.instructions`, with
+:mod:`.counts` of what it kept), batched padded or packed (:mod:`.batching`); review CSVs (:mod:`.reviews`);
+the shipped samples (``samples/``). The names a recipe needs are importable from here."""
 
 from importlib import import_module
 from typing import TYPE_CHECKING
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 _LAZY = {
     **dict.fromkeys(("PackedCollator", "PadCollator", "RowRecorder", "model_inputs", "pack"),
                     "finetune_kit.data.batching"),
-    **dict.fromkeys(("SAMPLE_INSTRUCTIONS", "check_template", "holdout_split", "load_rows", "tokenize_conversation",
-                     "tokenize_rows", "heldout_rows"),
+    **dict.fromkeys(("SAMPLE_INSTRUCTIONS", "holdout_split", "load_rows", "tokenize_rows", "heldout_rows"),
                     "finetune_kit.data.instructions"),
+    "tokenize_conversation": "finetune_kit.data.loss_mask",
     "DataCounts": "finetune_kit.data.counts",
     **dict.fromkeys(("ChatTemplate", "chat_template", "end_of_turn_ids"), "finetune_kit.data.templates"),
 }
@@ -22,13 +22,12 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
     from finetune_kit.data.counts import DataCounts
     from finetune_kit.data.instructions import (
         SAMPLE_INSTRUCTIONS,
-        check_template,
         heldout_rows,
         holdout_split,
         load_rows,
-        tokenize_conversation,
         tokenize_rows,
     )
+    from finetune_kit.data.loss_mask import tokenize_conversation
     from finetune_kit.data.templates import ChatTemplate, chat_template, end_of_turn_ids
 
 

@@ -14,8 +14,9 @@ prompt-response    ``prompt``, ``response`` (renameable)      one turn; ``--prom
 =================  =========================================  ===========================================
 
 ``detect`` picks the first format in that order whose columns are all present; a flag can
-force one. ``check_rows`` validates every row before any process group starts and names the
-rows that break a rule.
+force one. Each row becomes one :class:`Conversation` (:meth:`Format.read`): the type tokenising, the sample
+answers and ``make eval`` take. ``check_rows`` reads every row once before any process group starts, names the
+rows that break a rule, and refuses a file whose rows come in several formats.
 
 Tool calling, as OpenAI's chat format and the chat templates of transformers write it: an assistant
 turn may carry ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments"}}]``, the
@@ -32,7 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune_kit.errors import DataError
 
@@ -44,10 +45,47 @@ CALL_TURNS = ("function_call",)  # ShareGPT turns whose value is the call itself
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """One row as the model reads it, whatever format it came in: chat messages, and the function schemas the
+    assistant may call. Built by :meth:`Format.read` alone; a ``heldout.jsonl`` line reads back with
+    :meth:`from_record`."""
+
+    messages: list[dict]  # {"role", "content"} each (and "tool_calls", "tool_call_id", "name" where given)
+    tools: list[dict] | None = None  # {"type": "function", "function": {...}} each; None: none
+    example_id: int | None = None  # the source row (from 0), where it is one
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether it needs a template that renders tools: it has schemas, calls or results."""
+        return bool(self.tools) or any("tool_calls" in m or m["role"] == "tool" for m in self.messages)
+
+    def before(self, turn: int) -> Conversation:
+        """The conversation up to (not including) message ``turn``, with the same schemas."""
+        return replace(self, messages=self.messages[:turn])
+
+    def record(self) -> dict:
+        """The ``heldout.jsonl`` line: ``{"example_id", "messages"}`` and ``"tools"`` where it has them."""
+        out = {"example_id": self.example_id, "messages": self.messages}
+        return {**out, "tools": self.tools} if self.tools else out
+
+    @classmethod
+    def from_record(cls, row: dict) -> Conversation:
+        """A :meth:`record` line read back (it is a ``messages`` row); ValueError naming what is wrong."""
+        return MESSAGES.read(row, row.get("example_id") if isinstance(row.get("example_id"), int) else None)
+
+
+@dataclass(frozen=True)
 class Format:
     name: str
     columns: tuple[str, ...]  # what detection looks for
     to_messages: Callable[[dict], list[dict]]  # one row -> messages; raises ValueError on a bad row
+
+    def read(self, row: dict, example_id: int | None = None) -> Conversation:
+        """``row`` as a :class:`Conversation` whose turns keep the rules of :func:`check_conversation`;
+        ValueError naming what is wrong."""
+        messages = self.to_messages(row)
+        check_conversation(messages)
+        return Conversation(messages, tools(row), example_id)
 
 
 def _turns(value, source: str, role_key: str = "role", content_key: str = "content",
@@ -152,11 +190,6 @@ def _without_nulls(value):
     return value
 
 
-def uses_tools(messages: list[dict], schemas: list[dict] | None) -> bool:
-    """Whether a conversation needs a template that renders tools: it has schemas, calls or results."""
-    return bool(schemas) or any("tool_calls" in m or m["role"] == "tool" for m in messages)
-
-
 def _text(row: dict, column: str) -> str:
     value = row[column]
     if value is None:
@@ -199,8 +232,9 @@ def prompt_response(prompt_field: str = "prompt", response_field: str = "respons
     return Format("prompt-response", (prompt_field, response_field), convert)
 
 
+MESSAGES = Format("messages", ("messages",), _messages)
 FIXED = (
-    Format("messages", ("messages",), _messages),
+    MESSAGES,
     Format("sharegpt", ("conversations",), _sharegpt),
     Format("alpaca", ("instruction", "output"), _alpaca),
     Format("prompt-completion", ("prompt", "completion"), _prompt_completion),
@@ -208,47 +242,32 @@ FIXED = (
 NAMES = ("auto", *(f.name for f in FIXED), "prompt-response")
 
 
+def candidates(prompt_field: str = "prompt", response_field: str = "response") -> tuple[Format, ...]:
+    """Every format, in the order :func:`detect` tries them."""
+    return (*FIXED, prompt_response(prompt_field, response_field))
+
+
 def detect(columns: list[str], forced: str = "auto", prompt_field: str = "prompt",
            response_field: str = "response", source: str = "data") -> Format:
     """The format of a dataset with these columns: ``forced`` if given, else the first that fits."""
-    candidates = [*FIXED, prompt_response(prompt_field, response_field)]
+    known = candidates(prompt_field, response_field)
     if forced not in NAMES:
         raise DataError(f"data format '{forced}' is unknown; choose one of {', '.join(NAMES)}.")
     if forced != "auto":
-        fmt = next(f for f in candidates if f.name == forced)
+        fmt = next(f for f in known if f.name == forced)
         missing = [c for c in fmt.columns if c not in columns]
         if missing:
             raise DataError(f"data '{source}' was declared --data-format {forced}, which needs the column(s) "
                             f"{', '.join(map(repr, fmt.columns))}, but has no {', '.join(map(repr, missing))}; its "
                             f"columns are {columns}. Rename the columns, or drop --data-format to detect the format.")
         return fmt
-    for fmt in candidates:
+    for fmt in known:
         if all(c in columns for c in fmt.columns):
             return fmt
-    accepted = "; ".join(f"{f.name}: {' + '.join(f.columns)}" for f in candidates)
+    accepted = "; ".join(f"{f.name}: {' + '.join(f.columns)}" for f in known)
     raise DataError(f"data '{source}' has the columns {columns}, which match no known format ({accepted}). "
                     "Rename the columns to one of these, or pass --prompt-field/--response-field for a "
                     "one-turn dataset with other names.")
-
-
-def check_one_format(rows, prompt_field: str = "prompt", response_field: str = "response",
-                     source: str = "data") -> None:
-    """DataError when the rows of ``rows`` come in more than one format (a file that joins, say, ``messages`` rows
-    and Alpaca rows reads as one table whose rows leave the other format's columns empty), naming each format
-    with its rows, counted from 1. A row is of the first format whose columns all hold a value in it."""
-    candidates = [*FIXED, prompt_response(prompt_field, response_field)]
-    present = [f for f in candidates if all(c in rows.column_names for c in f.columns)]
-    if len(present) < 2:
-        return
-    found: dict[str, list[int]] = {}
-    for n, row in enumerate(rows, 1):
-        fmt = next((f for f in present if all(row.get(c) is not None for c in f.columns)), None)
-        if fmt is not None:
-            found.setdefault(fmt.name, []).append(n)
-    if len(found) > 1:
-        which = "; ".join(f"{name} in {_spans(numbers)}" for name, numbers in found.items())
-        raise DataError(f"data '{source}' mixes formats: {which}. A run reads one format: split the file into one "
-                        "file per format and train on the one you want, or convert its rows to one format.")
 
 
 def _spans(numbers: list[int], most: int = 4) -> str:
@@ -264,20 +283,33 @@ def _spans(numbers: list[int], most: int = 4) -> str:
     return f"{'row' if len(numbers) == 1 else 'rows'} {shown}{more} ({len(numbers)})"
 
 
-def check_rows(rows, fmt: Format, source: str = "data") -> int:
-    """Convert every row once; raise DataError naming the first bad rows (counting from 1). Returns how many rows
-    use tools (schemas, calls or results), which only a template that renders tools can train on."""
+def check_rows(rows, fmt: Format, source: str = "data", prompt_field: str = "prompt",
+               response_field: str = "response") -> int:
+    """Read every row once, as ``fmt``; raise DataError when the rows come in more than one format (a file that
+    joins, say, ``messages`` rows and Alpaca rows reads as one table whose rows leave the other format's columns
+    empty: a row is of the first format whose columns all hold a value in it), or name the first bad rows (counting
+    from 1). Returns how many rows use tools (schemas, calls or results), which only a template that renders tools
+    can train on."""
+    columns = rows.column_names if hasattr(rows, "column_names") else sorted({c for row in rows for c in row})
+    present = [f for f in candidates(prompt_field, response_field) if all(c in columns for c in f.columns)]
+    found: dict[str, list[int]] = {}
     bad: list[str] = []
     count = with_tools = 0
     for n, row in enumerate(rows, 1):
+        if len(present) > 1:
+            kind = next((f for f in present if all(row.get(c) is not None for c in f.columns)), None)
+            if kind is not None:
+                found.setdefault(kind.name, []).append(n)
         try:
-            messages = fmt.to_messages(row)
-            check_conversation(messages)
-            with_tools += uses_tools(messages, tools(row))
+            with_tools += fmt.read(row).uses_tools
         except ValueError as err:
             count += 1
             if len(bad) < 5:
                 bad.append(f"row {n}: {err}")
+    if len(found) > 1:
+        which = "; ".join(f"{name} in {_spans(numbers)}" for name, numbers in found.items())
+        raise DataError(f"data '{source}' mixes formats: {which}. A run reads one format: split the file into one "
+                        "file per format and train on the one you want, or convert its rows to one format.")
     if bad:
         raise DataError(f"data '{source}' ({fmt.name} format): {count} row(s) cannot be read as a conversation:\n  "
                         + "\n  ".join(bad) + ("\n  ..." if count > len(bad) else "")

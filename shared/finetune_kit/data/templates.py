@@ -16,8 +16,8 @@
 assistant turn, with the template's end-of-turn token) or not (everything else). The pieces
 come from rendering the conversation's prefixes, so the boundaries are exactly where the
 template puts them, whatever the template. A conversation with tools renders with ``tools=`` (the
-schemas); its tool calls are the assistant's and learnt, the tool results are not.
-:func:`check_tools` refuses a template that leaves tools out before anything starts.
+schemas); its tool calls are the assistant's and learnt, the tool results are not
+(:func:`finetune_kit.data.loss_mask.check_tools` proves a template does so before anything starts).
 """
 
 from __future__ import annotations
@@ -118,35 +118,6 @@ def end_of_turn_ids(tokenizer, template: ChatTemplate) -> list[int]:
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     ids = [i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special]
     return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
-
-
-# A conversation that uses every part of tool calling, each part marked by a word no other part holds
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "look_up", "description": "Finds a word in the dictionary.",
-    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
-PROBE = [{"role": "user", "content": "What does the word mean?"},
-         {"role": "assistant", "content": "", "tool_calls": [
-             {"type": "function", "function": {"name": "look_up", "arguments": {"word": "zephyr"}}}]},
-         {"role": "tool", "content": "a gentle west wind", "name": "look_up"},
-         {"role": "assistant", "content": "A gentle breeze."}]
-PROBE_PARTS = {"the tool schemas": "Finds a word in the dictionary.", "the tool call": "zephyr",
-               "the tool result": "a gentle west wind"}
-
-
-def check_tools(tokenizer, template: ChatTemplate, source: str, rows: int) -> None:
-    """DataError, in one line, when ``template`` cannot render what the ``rows`` rows with tools need: the
-    schemas (``tools=``), the assistant's ``tool_calls`` and the ``tool`` turns. Rendered once, on a probe."""
-    try:
-        text = render(tokenizer, template, PROBE, tools=PROBE_TOOLS)
-        lost = [part for part, mark in PROBE_PARTS.items() if mark not in text]
-        why = f"its text leaves out {' and '.join(lost)}" if lost else None
-    except Exception as err:  # e.g. Llama 2's "roles must alternate user/assistant"
-        why = f"it raises {type(err).__name__}: {' '.join(str(err).split())}"  # one line
-    if why:
-        raise DataError(f"data '{source}' has {rows} row(s) with tools, but the chat template '{template.name}' "
-                        f"cannot render tool calling ({why}). Pass --chat-template llama3.1 (Llama 3.1's tool "
-                        "calls), or a template (a .jinja file or a tokenizer's) that renders the tools, the "
-                        "assistant's tool_calls and the tool turns.")
 
 
 chat_template = resolve  # as a recipe reads it: templates.chat_template(args.chat_template, tokenizer)

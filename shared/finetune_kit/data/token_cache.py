@@ -22,7 +22,7 @@ from finetune_kit import caches
 from finetune_kit.outputs import written_whole
 
 OFF = "none"
-_CODE = ("instructions.py", "templates.py", "formats.py", "token_cache.py")
+_CODE = ("instructions.py", "templates.py", "formats.py", "loss_mask.py", "token_cache.py")
 
 
 def cache_dir(choice: str = "auto") -> Path | None:
@@ -51,6 +51,7 @@ def key(data, tokenizer, template, max_seq_len: int) -> str:
         add(getattr(data.rows, "_fingerprint", data.source))
     add(data.format.name)
     add(data.fields)
+    add(data.splits)  # which split trains, and which validates (its rows come after the training ones)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     add(backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()))
     add(sorted(tokenizer.special_tokens_map.items()))

@@ -46,12 +46,14 @@ class InstructionData:
     """Instruction data in any of the row formats, rendered by a chat template, the loss on the answers."""
 
     data: str = flag(None, ".jsonl/.json/.csv/.parquet file, a folder of .parquet files, or a hub dataset name")
+    data_split: str = flag("train", "the split of a folder or hub dataset to train on; a folder's 'validation' "
+                                    "split, if any, is held out in place of --eval-fraction's rows")
     data_format: str = flag("auto", "row shape; auto: detected from the columns", choices=formats.NAMES)
     prompt_field: str = flag("prompt", "prompt-response format: the prompt's column")
     response_field: str = flag("response", "prompt-response format: the answer's column")
     chat_template: str = flag("auto", f"{', '.join(templates.CHOICES)}, a .jinja file, or a tokenizer to borrow it "
                                       "from; auto: the tokenizer's own, else plain")
-    eval_fraction: float = flag(0.05, "share of the rows held out for validation")
+    eval_fraction: float = flag(0.05, "share of the rows held out for validation (0: none)")
     pack: bool = flag(False, "several whole examples per sequence; attention stays inside each example")
     data_cache: str = flag("auto", "folder of tokenised data kept between launches (auto: $FINETUNE_CACHE_DIR or "
                                    "~/.cache/finetune_kit; none: tokenise every launch)")

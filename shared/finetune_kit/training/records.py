@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune_kit import outputs
+from finetune_kit.data.formats import Conversation
 from finetune_kit.launch import cuda_allocator, env
 
 
@@ -23,20 +24,25 @@ class DataSplit:
     train_examples: int
     eval_example_ids: list[int] = field(default_factory=list)  # the held-out source rows
     counts: object = None  # data.instructions.DataCounts of the instruction recipes
-    heldout: list[dict] = field(default_factory=list)  # the held-out rows as read: heldout.jsonl in the run folder
+    heldout: list = field(default_factory=list)  # the held-out rows as read: Conversations, or reviews' dicts
 
     @classmethod
     def of(cls, train_set, eval_set=None, counts=None, rows=None) -> DataSplit:
-        """From the two datasets (rows carry ``example_ids`` or ``example_id``); prints ``counts``' summary.
-        ``rows``: the source rows (``instructions.load_rows``' or ``reviews.load_reviews``'), whose held-out ones
-        are kept for the sample answers and the evaluation harness."""
+        """From the two datasets (rows carry ``example_ids`` or ``example_id``); prints ``counts``' summary, with
+        the source's splits where it has several. ``rows``: the source rows (``instructions.load_rows``' or
+        ``reviews.load_reviews``'), whose held-out ones are kept for the sample answers and the evaluation harness."""
         if counts is not None and env.is_main_rank():
-            print(counts.summary())
+            splits = getattr(rows, "splits", None)
+            print(counts.summary() + (splits.note(held_out=eval_set is not None) if splits else ""))
         ids = example_ids(eval_set) if eval_set is not None else []
         return cls(len(train_set), ids, counts, _heldout(rows, ids) if rows is not None else [])
 
+    def heldout_lines(self) -> list[dict]:
+        """``heldout.jsonl``'s lines."""
+        return [row.record() if isinstance(row, Conversation) else row for row in self.heldout]
 
-def _heldout(rows, ids: list[int]) -> list[dict]:
+
+def _heldout(rows, ids: list[int]) -> list:
     from finetune_kit.data import instructions, reviews
 
     if isinstance(rows, instructions.InstructionRows):  # conversations
@@ -132,7 +138,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
         run_record.samples = record.SampleFigures(**sample_figures(samples)) if samples else None
         run_record.write(checked.output / "run_record.json")
         if split.heldout:
-            outputs.write_text_whole(checked.output / "heldout.jsonl", outputs.jsonl(split.heldout))
+            outputs.write_text_whole(checked.output / "heldout.jsonl", outputs.jsonl(split.heldout_lines()))
         record.RunInfo(
             recipe=checked.recipe, model=args.model, devices=acc.num_processes, nodes=env.num_nodes(),
             engine=checked.engine, zero_stage=checked.zero_stage,

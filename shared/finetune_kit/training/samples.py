@@ -44,46 +44,47 @@ class Prompt:
     reference: str | None  # the row's own answer, when it has one
 
 
-def sample_prompts(args, heldout: list[dict], tokenizer, template) -> list[Prompt]:
+def sample_prompts(args, heldout: list, tokenizer, template) -> list[Prompt]:
     """The prompts of this run: every row of ``args.sample_prompts`` (any supported data format), or the first
-    ``args.samples`` held-out conversations (``heldout``: :func:`finetune_kit.data.heldout_rows`). Each is
-    cut before its last assistant turn, which becomes the reference (a tool call: as the template writes it); a
-    row's tool schemas render with it. A prompt longer than ``args.max_seq_len`` tokens keeps its last
-    ``max_seq_len`` (the end of the conversation and the generation prompt), as ``make eval`` does: no sequence
-    longer than the run trained on (measured on an H100: held-out conversations of 17,600 tokens
-    after training at 4,096 took the 8B's peak from 36 to 45 GiB)."""
-    from finetune_kit.data import formats, instructions, templates
+    ``args.samples`` held-out conversations (``heldout``: :func:`finetune_kit.data.heldout_rows`'
+    :class:`~finetune_kit.data.formats.Conversation` list). Each is cut before its last assistant turn, which
+    becomes the reference (a tool call: as the template writes it); a row's tool schemas render with it. A prompt
+    longer than ``args.max_seq_len`` tokens keeps its last ``max_seq_len`` (the end of the conversation and the
+    generation prompt), as ``make eval`` does: no sequence longer than the run trained on (measured on an H100:
+    held-out conversations of 17,600 tokens after training at 4,096 took the 8B's peak from 36 to 45 GiB)."""
+    from finetune_kit.data import instructions, templates
 
     if not args.samples:
         return []
     if args.sample_prompts:
         rows = instructions.load_rows(args.sample_prompts, flag="--sample-prompts")
-        conversations = [{"example_id": None, "messages": rows.format.to_messages(row), "tools": formats.tools(row)}
-                         for row in rows.rows]
+        conversations = [rows.format.read(row) for row in rows.rows]  # no example_id: not rows of --data
     else:
         conversations = heldout[: args.samples]
     prompts = []
-    for row in conversations:
-        messages, reference, tools = row["messages"], None, row.get("tools")
-        if messages and messages[-1]["role"] == "assistant":
-            messages, reference = messages[:-1], _reference(tokenizer, template, messages, tools)
-        text = templates.render(tokenizer, template, messages, generation_prompt=True, tools=tools)
+    for conversation in conversations:
+        reference = None
+        if conversation.messages and conversation.messages[-1]["role"] == "assistant":
+            reference = _reference(tokenizer, template, conversation)
+            conversation = conversation.before(-1)
+        text = templates.render(tokenizer, template, conversation.messages, generation_prompt=True,
+                                tools=conversation.tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if limit := getattr(args, "max_seq_len", None):
             ids = ids[-limit:]
-        prompts.append(Prompt(row["example_id"], messages, text, ids, reference))
+        prompts.append(Prompt(conversation.example_id, conversation.messages, text, ids, reference))
     return prompts
 
 
-def _reference(tokenizer, template, messages: list[dict], tools) -> str:
-    """The last answer of ``messages``: its text, or, for a tool call, the call as the template writes it (what
-    a model that learnt it says), without the template's special tokens."""
+def _reference(tokenizer, template, conversation) -> str:
+    """The last answer of ``conversation``: its text, or, for a tool call, the call as the template writes it
+    (what a model that learnt it says), without the template's special tokens."""
     from finetune_kit.data import templates
 
-    last = messages[-1]
+    last = conversation.messages[-1]
     if last["content"].strip() or not last.get("tool_calls"):
         return last["content"]
-    *_, (turn, _) = templates.segments(tokenizer, template, messages, tools)
+    *_, (turn, _) = templates.segments(tokenizer, template, conversation.messages, conversation.tools)
     return tokenizer.decode(tokenizer(turn, add_special_tokens=False)["input_ids"], skip_special_tokens=True).strip()
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from finetune_kit.data.formats import Conversation
 from tests.harness import write_jsonl
 
 
@@ -24,8 +25,8 @@ def test_the_first_held_out_rows_are_cut_before_their_last_answer(tiny_llama3):
     template = templates.resolve("auto", tokenizer)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
             {"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": "Lima."}]
-    heldout = [{"example_id": 7, "messages": chat}, {"example_id": 2, "messages": chat[:2]},
-               {"example_id": 9, "messages": chat[:2]}]
+    heldout = [Conversation(chat, example_id=7), Conversation(chat[:2], example_id=2),
+               Conversation(chat[:2], example_id=9)]
     prompts = sample_prompts(args(), heldout, tokenizer, template)
     assert [(p.example_id, p.reference) for p in prompts] == [(7, "Lima."), (2, "Hello.")]
     assert prompts[0].messages == chat[:3]
@@ -45,9 +46,8 @@ def test_a_prompt_longer_than_the_training_length_keeps_its_end(tiny_llama3):
     template = templates.resolve("auto", tokenizer)
     turns = [m for i in range(12) for m in ({"role": "user", "content": f"Say {i} twice."},
                                             {"role": "assistant", "content": f"{i} {i}"})]
-    whole = sample_prompts(args(samples=1), [{"example_id": 0, "messages": turns}], tokenizer, template)[0]
-    cut = sample_prompts(args(samples=1, max_seq_len=40), [{"example_id": 0, "messages": turns}], tokenizer,
-                         template)[0]
+    whole = sample_prompts(args(samples=1), [Conversation(turns, example_id=0)], tokenizer, template)[0]
+    cut = sample_prompts(args(samples=1, max_seq_len=40), [Conversation(turns, example_id=0)], tokenizer, template)[0]
     assert len(whole.input_ids) > 40  # the cut bites: the rendered conversation is longer than the run's length
     assert cut.input_ids == whole.input_ids[-40:] and cut.reference == whole.reference == "11 11"
     assert cut.text == whole.text  # printed and recorded as given

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_kit.data import instructions, templates
+from finetune_kit.data import formats, instructions, templates
 from finetune_kit.errors import DataError
 from finetune_kit.models.loading import load_tokenizer
 from tests.harness import write_jsonl
@@ -48,7 +48,8 @@ def learnt_spans(example: dict) -> list[list[int]]:
 
 
 def encode(tokenizer, messages, template="auto", max_seq_len=512):
-    return instructions.tokenize_conversation(tokenizer, templates.resolve(template, tokenizer), messages, max_seq_len)
+    return instructions.tokenize_conversation(tokenizer, templates.resolve(template, tokenizer),
+                                              formats.Conversation(messages), max_seq_len)
 
 
 # ---- loading ----
@@ -270,8 +271,95 @@ def test_a_parquet_file_and_a_folder_of_them_read_like_jsonl(tmp_path):
     want = instructions.load_rows(str(instructions.SAMPLE_DIR / "chat.jsonl"))
     for source in (tmp_path / "chat.parquet", tmp_path / "hub"):
         got = instructions.load_rows(str(source))
-        assert got.format.name == want.format.name == "messages"
-        assert [got.format.to_messages(r) for r in got.rows] == [want.format.to_messages(r) for r in want.rows]
+        assert got.format.name == want.format.name == "messages" and got.splits == instructions.Splits()
+        assert [got.conversation(i) for i in range(len(got))] == [want.conversation(i) for i in range(len(want))]
+
+
+def hub_folder(root: Path, sizes: dict[str, int], layout: str = "data/{split}-00000-of-00001.parquet") -> list[dict]:
+    """A folder of the chat sample's rows in split files (30 train, ... : ``sizes``); the rows, in split order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, start = rows_of(instructions.SAMPLE_DIR / "chat.jsonl"), 0
+    for split, n in sizes.items():
+        path = root / layout.format(split=split)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows[start:start + n]), path)
+        start += n
+    return rows[:start]
+
+
+def messages_of(data) -> list:
+    return [data.conversation(i).messages for i in range(len(data))]
+
+
+@pytest.mark.parametrize("layout", ["data/{split}-00000-of-00001.parquet", "{split}/part-0.parquet"])
+def test_a_hub_folder_trains_on_train_holds_out_validation_and_never_reads_test(layout, tmp_path, tok3):
+    """30 train, 5 validation and 10 test rows, as the hub writes them (or in split folders): the run reads the
+    train rows, then the validation rows it holds out in place of --eval-fraction's; the test rows are read by
+    nothing (the negative control: every file of the folder read as one table holds them)."""
+    rows = hub_folder(tmp_path, {"train": 30, "validation": 5, "test": 10}, layout)
+    train, validation, test = rows[:30], rows[30:35], rows[35:]
+    data = instructions.load_rows(str(tmp_path))
+    assert data.splits == instructions.Splits("train", "validation", 5, (("test", 10),))
+    assert messages_of(data) == [formats.MESSAGES.read(r).messages for r in train + validation]
+    assert not any(formats.MESSAGES.read(r).messages in messages_of(data) for r in test)
+    examples, counts = instructions.tokenize_rows(data, tok3, 512, cache="none")
+    held_train, held = instructions.holdout_split(examples, 0.05, seed=0, rows=data)
+    assert sorted(i for ids in held["example_ids"] for i in ids) == list(range(30, 35))
+    assert sorted(i for ids in held_train["example_ids"] for i in ids) == list(range(30))
+    assert [c.messages for c in instructions.heldout_rows(data, range(30, 35))] == [
+        formats.MESSAGES.read(r).messages for r in validation]
+    assert data.splits.note(held_out=True) == ("; split 'train', held out: its 'validation' split (5 rows) in place "
+                                               "of --eval-fraction, 'test' (10 rows) not read")
+    only_train, none = instructions.holdout_split(examples, 0, seed=0, rows=data)  # --eval-fraction 0: no validation
+    assert none is None and len(only_train) == 30
+    assert data.splits.note(held_out=False).startswith("; split 'train', its 'validation' split unused")
+    import datasets
+
+    files = sorted(map(str, tmp_path.rglob("*.parquet")))
+    every_file = datasets.load_dataset("parquet", data_files=files, split="train")
+    assert len(every_file) == 45  # what reading the folder whole trained on
+
+
+def test_data_split_picks_another_split_and_a_missing_one_is_named(tmp_path):
+    rows = hub_folder(tmp_path, {"train": 30, "validation": 5, "test": 10})
+    test = instructions.load_rows(str(tmp_path), split="test")  # the validation split still validates
+    assert messages_of(test) == [formats.MESSAGES.read(r).messages for r in rows[35:] + rows[30:35]]
+    assert test.splits == instructions.Splits("test", "validation", 5, (("train", 30),))
+    with pytest.raises(DataError, match=r"data folder '.*' has no 'dev' split; its file names give the splits "
+                                        r"'train' \(30 rows\), 'validation' \(5 rows\), 'test' \(10 rows\)\. Pass "
+                                        r"--data-split with one of them\."):
+        instructions.load_rows(str(tmp_path), split="dev")
+    with pytest.raises(DataError, match=r"--data-split test: '.*chat\.jsonl' is one file, so it has one split"):
+        instructions.load_rows(str(instructions.SAMPLE_DIR / "chat.jsonl"), split="test")
+
+
+def test_a_validation_split_with_other_columns_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hub_folder(tmp_path, {"train": 10})
+    (tmp_path / "data").mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "response": "b"}]),
+                   tmp_path / "data/validation-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"its 'validation' split has the columns \['prompt', 'response'\].*its 'train' "
+                                        r"split \['messages'\]"):
+        instructions.load_rows(str(tmp_path))
+
+
+def test_a_validation_split_with_nothing_left_to_validate_on_is_named(tmp_path, tok3):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hub_folder(tmp_path, {"train": 10})
+    unanswered = [{"messages": [{"role": "user", "content": "Hi?"}]}] * 2  # dropped: no answer to learn
+    pq.write_table(pa.Table.from_pylist(unanswered), tmp_path / "data/validation-00000-of-00001.parquet")
+    data = instructions.load_rows(str(tmp_path))
+    examples, _ = instructions.tokenize_rows(data, tok3, 512, cache="none")
+    with pytest.raises(DataError, match=r"none of the 2 rows of its 'validation' split is left to validate on"):
+        instructions.holdout_split(examples, 0.05, seed=0, rows=data)
+    assert instructions.holdout_split(examples, 0, seed=0, rows=data)[1] is None  # --eval-fraction 0: fine
 
 
 def test_a_folder_without_parquet_files_is_named(tmp_path):

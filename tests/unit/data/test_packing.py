@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune_kit.data import instructions, templates
+from finetune_kit.data import formats, instructions, templates
 from finetune_kit.data.batching import PackedCollator, PadCollator, model_inputs, pack
 from finetune_kit.losses import IGNORE_INDEX
 from finetune_kit.metering.throughput import token_spans
@@ -59,7 +59,8 @@ def model_and_examples(tiny_llama3):
         ("What is 2 plus 3?", "2 plus 3 is 5."),
         ("Give the opposite of 'hot'.", "The opposite of 'hot' is 'cold'."),
     ]]
-    examples = [{**instructions.tokenize_conversation(tokenizer, template, c, 256)[0], "example_ids": [i]}
+    examples = [{**instructions.tokenize_conversation(tokenizer, template, formats.Conversation(c), 256)[0],
+                 "example_ids": [i]}
                 for i, c in enumerate(conversations)]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama3, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), examples

@@ -1,13 +1,14 @@
 """Tool-calling conversations: every shape files come in reads as the same messages, renders through a chat
 template with its schemas, and takes loss on the assistant's text and calls only; a template that cannot render
-tools is refused in one line before anything starts."""
+tools, or whose turns would put loss on a result or none on a call, is refused in one line before anything
+starts."""
 
 import json
 import re
 
 import pytest
 
-from finetune_kit.data import formats, instructions, templates
+from finetune_kit.data import formats, instructions, loss_mask, templates
 from finetune_kit.errors import DataError
 from finetune_kit.models.loading import load_tokenizer
 from tests.harness import REPO
@@ -64,9 +65,54 @@ def convert(row: dict) -> list[dict]:
     return formats.detect(list(row)).to_messages(row)
 
 
+def conversation(row: dict) -> formats.Conversation:
+    return formats.detect(list(row)).read(row)
+
+
 def learnt_texts(tokenizer, example: dict) -> list[str]:
     """The text of each run of tokens that carries loss."""
-    return [tokenizer.decode(span) for span in learnt_spans(example)]
+    texts = [tokenizer.decode(span) for span in learnt_spans(example)]
+    assert texts == loss_mask.learnt_texts(tokenizer, example)  # the check's reading of the labels is the test's
+    return texts
+
+
+def llama31_with(tmp_path, name: str, replacements: dict[str, str]) -> templates.ChatTemplate:
+    """The shipped llama3.1 template with pieces of its text replaced (each must be there), as a .jinja file."""
+    source = templates.SHIPPED["llama3.1"].read_text()
+    for old, new in replacements.items():
+        assert old in source, old
+        source = source.replace(old, new)
+    (tmp_path / f"{name}.jinja").write_text(source)
+    return templates.ChatTemplate(str(tmp_path / f"{name}.jinja"), source)
+
+
+RESULT_TURN = ("{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] | trim "
+               "+ '<|eot_id|>' }}")
+PLAIN_TURN = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+              "+ '<|eot_id|>' }}")
+CALLS = ("""{%- for call in message.tool_calls %}
+            {{- '{"name": ' + call.function.name | tojson + ', "parameters": ' + call.function.arguments | tojson """
+         """+ '}' }}
+            {%- if not loop.last %}
+                {{- '\\n' }}
+            {%- endif %}
+        {%- endfor %}""")
+
+
+def results_in_answers(tmp_path) -> templates.ChatTemplate:
+    """Writes each tool result inside the assistant's next turn (as "Result: ..."): it renders and splits fine."""
+    return llama31_with(tmp_path, "results_in_answers", {RESULT_TURN: "", PLAIN_TURN: (
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{%- if not loop.first and loop.previtem['role'] == 'tool' %}"
+        "{{- 'Result: ' + loop.previtem['content'] + '\\n' }}{%- endif %}"
+        "{{- message['content'] | trim + '<|eot_id|>' }}")})
+
+
+def calls_in_results(tmp_path) -> templates.ChatTemplate:
+    """Writes each call at the head of the tool turn that answers it, not in the assistant's turn."""
+    return llama31_with(tmp_path, "calls_in_results", {CALLS: "", RESULT_TURN: (
+        "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + loop.previtem.tool_calls[0].function.arguments "
+        "| tojson + '\\n' + message['content'] | trim + '<|eot_id|>' }}")})
 
 
 # ---- every shape reads as the same messages and schemas ----
@@ -128,40 +174,40 @@ def test_bad_schemas_are_named():
 # ---- rendering and the loss: the calls and answers are learnt, the schemas and results not ----
 
 def test_the_rendered_text_and_the_labelled_spans_are_exact(tok3):
-    example, status = instructions.tokenize_conversation(
-        tok3, templates.resolve("llama3.1", tok3), convert(OPENAI), 512, formats.tools(OPENAI))
+    template = templates.resolve("llama3.1", tok3)
+    example, status = instructions.tokenize_conversation(tok3, template, conversation(OPENAI), 512)
     assert status == "ok"
     assert tok3.decode(example["input_ids"]) == RENDERED + "<|end_of_text|>"
     assert learnt_texts(tok3, example) == LEARNT
 
 
-def test_the_label_check_catches_a_tool_result_that_takes_loss(tok3, tmp_path):
-    """Negative control: a template that writes each tool result inside the assistant's next turn (as
-    "Result: ...") renders and splits fine, but the result would be learnt; the check above says so."""
-    result_turn = ("{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] | trim "
-                   "+ '<|eot_id|>' }}")
-    plain_turn = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
-                  "+ '<|eot_id|>' }}")
-    results_in_answers = ("{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-                          "{%- if not loop.first and loop.previtem['role'] == 'tool' %}"
-                          "{{- 'Result: ' + loop.previtem['content'] + '\\n' }}{%- endif %}"
-                          "{{- message['content'] | trim + '<|eot_id|>' }}")
-    source = templates.SHIPPED["llama3.1"].read_text()
-    assert result_turn in source and plain_turn in source
-    source = source.replace(result_turn, "").replace(plain_turn, results_in_answers)
-    (tmp_path / "results_in_answers.jinja").write_text(source)
-    template = templates.resolve(str(tmp_path / "results_in_answers.jinja"), tok3)
-    example, _ = instructions.tokenize_conversation(tok3, template, convert(OPENAI), 512, formats.tools(OPENAI))
-    learnt = learnt_texts(tok3, example)
-    assert learnt[1] == f"Result: 18 C, sunny\n{ANSWER}<|eot_id|><|end_of_text|>"  # the bug, rendered
-    with pytest.raises(AssertionError):
-        assert learnt == LEARNT
+@pytest.mark.parametrize(("build", "why"), [
+    (results_in_answers, "the tool result's tokens would carry loss"),
+    (calls_in_results, "the tool call's tokens would carry no loss (it is written outside the assistant's turn)"),
+], ids=["results-in-answers", "calls-in-results"])
+def test_a_template_whose_turns_mislabel_tools_is_refused_by_the_check(build, why, tok3, tmp_path):
+    """Negative controls of the check itself: each template renders every part of the conversation and splits at
+    its turns, so rendering alone passes it, but the labels training would give are wrong (shown first, tokenised
+    as training does); the check labels its probe the same way and refuses the template naming the fault. The
+    shipped llama3.1 passes it."""
+    template = build(tmp_path)
+    example, _ = instructions.tokenize_conversation(tok3, template, conversation(OPENAI), 512)
+    text, learnt = tok3.decode(example["input_ids"]), learnt_texts(tok3, example)
+    assert "18 C, sunny" in text and "Paris" in text and learnt != LEARNT
+    if build is results_in_answers:
+        assert learnt[1] == f"Result: 18 C, sunny\n{ANSWER}<|eot_id|><|end_of_text|>"  # the result would be learnt
+    else:
+        assert not any('"city"' in t for t in learnt)  # the call would not
+    assert loss_mask.tool_labelling_fault(tok3, template) == why
+    with pytest.raises(DataError, match=rf"cannot train tool calling \({re.escape(why)}\)\. Pass --chat-template"):
+        loss_mask.check_tools(tok3, template, "rows.jsonl", 1)
+    assert loss_mask.tool_labelling_fault(tok3, templates.resolve("llama3.1", tok3)) is None
 
 
 def test_a_call_with_text_beside_it_learns_both_and_a_turn_of_only_a_call_is_an_answer(tok3):
     messages = [*MESSAGES[:2], {**MESSAGES[2], "content": "Let me look."}]  # the conversation ends on the call
-    example, status = instructions.tokenize_conversation(tok3, templates.resolve("llama3.1", tok3), messages, 512,
-                                                         [WEATHER])
+    example, status = instructions.tokenize_conversation(tok3, templates.resolve("llama3.1", tok3),
+                                                         formats.Conversation(messages, [WEATHER]), 512)
     assert status == "ok"
     assert learnt_texts(tok3, example) == [
         'Let me look.\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|><|end_of_text|>']
@@ -183,8 +229,8 @@ def test_the_shipped_sample_trains_on_calls_and_answers(tok3):
     assert rows.format.name == "messages" and rows.tool_rows == 44 and len(rows) == 48
     examples, counts = instructions.tokenize_rows(rows, tok3, 512, "llama3.1")
     assert (counts.examples, counts.dropped_too_long, counts.truncated) == (48, 0, 0)
-    for row, example in zip(rows.rows, examples, strict=True):
-        messages = rows.format.to_messages(row)
+    for i, example in enumerate(examples):
+        messages = rows.conversation(i).messages
         texts = [tok3.decode(s, skip_special_tokens=True) for s in learnt_spans(example)]
         calls = ["\n".join(json.dumps({"name": c["function"]["name"], "parameters": c["function"]["arguments"]})
                            for c in m["tool_calls"]) if m.get("tool_calls") else m["content"]
@@ -202,18 +248,31 @@ def test_the_shipped_sample_trains_on_calls_and_answers(tok3):
 ])
 def test_a_template_without_tools_is_refused_in_one_line_before_launch(choice, why, tiny_llama3, tmp_path):
     if choice == "custom":  # renders calls and results, but never the schemas
-        path = tmp_path / "no_schemas.jinja"
-        path.write_text(templates.SHIPPED["llama3.1"].read_text().replace("{%- if tools %}", "{%- if false %}"))
-        choice = str(path)
-    rows = instructions.load_rows(str(instructions.SAMPLE_DIR / "tools.jsonl"))
+        choice = llama31_with(tmp_path, "no_schemas", {"{%- if tools %}": "{%- if false %}"}).name
+    tools = str(instructions.SAMPLE_DIR / "tools.jsonl")
     with pytest.raises(DataError) as err:
-        instructions.check_template(rows, str(tiny_llama3), choice)
+        instructions.load_rows(tools, chat_template=choice, model=str(tiny_llama3))
     assert "\n" not in str(err.value)
-    assert re.match(r"data '.*tools\.jsonl' has 44 row\(s\) with tools, but the chat template '.*' cannot render "
+    assert re.match(r"data '.*tools\.jsonl' has 44 row\(s\) with tools, but the chat template '.*' cannot train "
                     rf"tool calling \({why}.*\)\. Pass --chat-template llama3\.1", str(err.value)), str(err.value)
-    instructions.check_template(rows, str(tiny_llama3), "llama3.1")  # the fix it names passes
-    plain = instructions.load_rows(str(instructions.SAMPLE_DIR / "chat.jsonl"))
-    instructions.check_template(plain, "/no/such/model", choice)  # rows without tools: no tokenizer is read
+    assert instructions.load_rows(tools, chat_template="llama3.1", model=str(tiny_llama3)).template.name \
+        == "llama3.1"  # the fix it names passes
+    plain = str(instructions.SAMPLE_DIR / "chat.jsonl")
+    instructions.load_rows(plain, chat_template=choice, model="/no/such/model")  # no tools: no tokenizer is read
+
+
+def test_the_template_is_proven_once_and_again_only_when_another_renders(tok3, tiny_llama3, monkeypatch):
+    """load_rows proves the template; tokenising with that template does not prove it again; tokenising with
+    another template, or rows loaded without a template, does."""
+    calls = []
+    monkeypatch.setattr(instructions, "check_tools", lambda *a: calls.append(a[1].name))
+    tools = str(instructions.SAMPLE_DIR / "tools.jsonl")
+    rows = instructions.load_rows(tools, chat_template="llama3.1", model=str(tiny_llama3))
+    instructions.tokenize_rows(rows, tok3, 512, "llama3.1", cache="none")
+    assert calls == ["llama3.1"]
+    instructions.tokenize_rows(rows, tok3, 512, "auto", cache="none")
+    instructions.tokenize_rows(instructions.load_rows(tools), tok3, 512, "llama3.1", cache="none")
+    assert calls == ["llama3.1", "tokenizer's own", "llama3.1"]
 
 
 # ---- after training: the sample answers and make eval's held-out task read the rows with their tools ----
@@ -231,8 +290,10 @@ def test_a_held_out_row_ending_in_a_tool_result_is_a_sample_prompt(tok3, tmp_pat
     rows = instructions.InstructionRows(datasets.Dataset.from_list([OPENAI]), formats.detect(["messages", "tools"]),
                                         "mem", tool_rows=1)
     heldout = instructions.heldout_rows(rows, [0])
-    assert heldout == [{"example_id": 0, "messages": MESSAGES, "tools": [WEATHER]}]
-    heldout.append({"example_id": 1, "messages": MESSAGES[:3], "tools": [WEATHER]})  # ends on the call
+    assert heldout == [formats.Conversation(MESSAGES, [WEATHER], 0)]
+    assert heldout[0].record() == {"example_id": 0, "messages": MESSAGES, "tools": [WEATHER]}  # heldout.jsonl's line
+    assert formats.Conversation.from_record(heldout[0].record()) == heldout[0]  # as make eval reads it back
+    heldout.append(formats.Conversation(MESSAGES[:3], [WEATHER], 1))  # ends on the call
     args = SimpleNamespace(samples=2, sample_prompts=None, max_seq_len=512)
     template = templates.resolve("llama3.1", tok3)
     result, call = sample_prompts(args, heldout, tok3, template)
@@ -246,7 +307,8 @@ def test_a_held_out_row_ending_in_a_tool_result_is_a_sample_prompt(tok3, tmp_pat
 def test_make_evals_pair_is_the_context_to_the_tool_result_and_the_answer(tok3):
     from finetune_tools.harness.tasks import conversation_pair
 
-    context, target = conversation_pair(tok3, templates.resolve("llama3.1", tok3), MESSAGES, [WEATHER])
+    context, target = conversation_pair(tok3, templates.resolve("llama3.1", tok3),
+                                        formats.Conversation(MESSAGES, [WEATHER]))
     assert context + target == RENDERED + "<|end_of_text|>"
     assert target == f"{ANSWER}<|eot_id|><|end_of_text|>"
 
@@ -254,8 +316,8 @@ def test_make_evals_pair_is_the_context_to_the_tool_result_and_the_answer(tok3):
 def test_the_documented_rendering_is_the_recipes(tok3):
     """docs/tool-calling.md and the 8B README show OPENAI rendered by llama3.1 with the learnt tokens in [[ ]]: the
     text without the marks is the tokenised conversation, and the marked pieces are its learnt spans."""
-    example, _ = instructions.tokenize_conversation(
-        tok3, templates.resolve("llama3.1", tok3), convert(OPENAI), 512, formats.tools(OPENAI))
+    example, _ = instructions.tokenize_conversation(tok3, templates.resolve("llama3.1", tok3), conversation(OPENAI),
+                                                    512)
     for page in ("docs/tool-calling.md", "recipes/llama3-8b-zero3/README.md"):
         doc = (REPO / page).read_text()
         block = doc.split("<!-- rendered: llama3.1 -->\n```text\n", 1)[1].split("\n```", 1)[0]
@@ -284,6 +346,4 @@ def test_a_parquet_file_of_tool_calls_as_hub_datasets_keep_them_reads_as_the_jso
     pq.write_table(table, tmp_path / "tools.parquet")
     want, got = instructions.load_rows(str(source)), instructions.load_rows(str(tmp_path / "tools.parquet"))
     assert got.tool_rows == want.tool_rows == 44
-    for a, b in zip(want.rows, got.rows, strict=True):
-        assert want.format.to_messages(a) == got.format.to_messages(b)
-        assert formats.tools(a) == formats.tools(b)
+    assert [want.conversation(i) for i in range(len(want))] == [got.conversation(i) for i in range(len(got))]

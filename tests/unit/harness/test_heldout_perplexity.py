@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from finetune_kit.data import templates
-from finetune_kit.data.instructions import IGNORE_INDEX, tokenize_conversation
+from finetune_kit.data.formats import Conversation
+from finetune_kit.data.loss_mask import tokenize_conversation
+from finetune_kit.losses import IGNORE_INDEX
 from tests.unit.harness.conftest import CONVERSATIONS, run_harness, summary
 
 # Measured: the harness (fp32, CPU; batches of 1, 3 or 8 conversations alike) and the one-conversation-at-a-time
@@ -90,7 +92,7 @@ def test_the_scored_tokens_are_the_ones_training_learnt_of_the_last_answer(evalu
     expected = reference(run / "model")["answers"]
     samples = [json.loads(line) for line in (run / "eval/samples/heldout.jsonl").read_text().splitlines()]
     for messages, answer, sample in zip(CONVERSATIONS, expected, samples, strict=True):
-        example, _ = tokenize_conversation(tokenizer, template, messages, max_seq_len=512)
+        example, _ = tokenize_conversation(tokenizer, template, Conversation(messages), max_seq_len=512)
         labels = example["labels"]
         last_answer = labels[max(i for i, label in enumerate(labels) if label == IGNORE_INDEX) + 1:]
         assert last_answer == answer

@@ -27,7 +27,6 @@ HELDOUT_FILE = "heldout.jsonl"
 ROW_SHAPES = {CAUSAL: '{"example_id": int, "messages": [{"role": ..., "content": ...}, ...], "tools": [...] if any} '
                      '(instruction recipes)',
               CLASSIFIER: '{"example_id": int, "text": str, "label": 0|1, "label_name": str} (70B recipe)'}
-MESSAGES = next(f for f in formats.FIXED if f.name == "messages")
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Evaluation:
     run: Path
     model: ModelSource
     tasks: tuple[str, ...]  # HELDOUT and lm-eval task names or YAML paths, in the order given
-    heldout: tuple[dict, ...]  # heldout.jsonl's rows, checked; empty when the heldout task is not asked for
+    heldout: tuple  # heldout.jsonl's rows, checked: Conversations, or reviews' dicts; empty when not asked for
     include_path: Path | None  # more lm-eval task YAMLs (lm_eval --include_path)
     device: str  # cpu or cuda
     dtype: str  # bfloat16 or float32
@@ -246,11 +245,11 @@ def _heldout_rows(run: Path, source: ModelSource) -> tuple[dict, ...]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            kind = _row_kind(row)
+            row = _row(json.loads(line))
         except ValueError as err:
             raise DataError(f"'{path}' line {number}: {err}. Each line must be one JSON object: "
                             f"{ROW_SHAPES[source.kind]}. Fix or remove the line.") from err
+        kind = CAUSAL if isinstance(row, formats.Conversation) else CLASSIFIER
         if kind != source.kind:
             rows_are = "conversations" if kind == CAUSAL else "labelled reviews"
             model_is = "a sequence classifier" if source.kind == CLASSIFIER else "a language model"
@@ -265,23 +264,21 @@ def _heldout_rows(run: Path, source: ModelSource) -> tuple[dict, ...]:
     return tuple(rows)
 
 
-def _row_kind(row) -> str:
-    """CAUSAL for a conversation that ends in an answer, CLASSIFIER for a labelled review; ValueError naming what
+def _row(row) -> formats.Conversation | dict:
+    """A conversation that ends in an answer (as the run wrote it), or a labelled review; ValueError naming what
     is wrong otherwise."""
     if not isinstance(row, dict):
         raise ValueError(f"a {type(row).__name__}, not a JSON object")
     if "messages" in row:
-        messages = MESSAGES.to_messages(row)
-        formats.check_conversation(messages)
-        formats.tools(row)  # the schemas, where the row has them: a list, as the run wrote them
-        if not any(m["role"] == "assistant" for m in messages):
+        conversation = formats.Conversation.from_record(row)
+        if not any(m["role"] == "assistant" for m in conversation.messages):
             raise ValueError("the conversation has no assistant turn, so no answer to score")
-        return CAUSAL
+        return conversation
     if "text" in row and "label" in row:
         if not isinstance(row["text"], str) or row["label"] not in (0, 1) or isinstance(row["label"], bool):
             raise ValueError(f"text {type(row['text']).__name__} and label {row['label']!r}: text must be a string, "
                              "label 0 or 1")
-        return CLASSIFIER
+        return row
     raise ValueError(f"keys {sorted(row)} are neither a conversation (messages) nor a labelled review (text, label)")
 
 

@@ -118,23 +118,23 @@ def instruction_documents(tokenizer, rows, model_folder: Path, source: Path) -> 
                           "save it into the folder, or pass --tasks with lm-eval tasks only.")
     template = templates.ChatTemplate("the model's", tokenizer.chat_template)
     documents = []
-    for number, row in enumerate(rows, 1):
-        context, target = conversation_pair(tokenizer, template, row["messages"], row.get("tools"))
+    for number, conversation in enumerate(rows, 1):
+        context, target = conversation_pair(tokenizer, template, conversation)
         if context is None:
             raise DataError(f"'{source}' row {number}: the model's chat template renders the conversation before "
                             "its last answer differently once the answer follows, so the answer's tokens cannot be "
                             "told apart. Evaluate with the model folder the run saved (its template splits at turns).")
-        documents.append({"example_id": row.get("example_id"), "context": context, "target": target,
+        documents.append({"example_id": conversation.example_id, "context": context, "target": target,
                           "answer_tokens": len(encode_pair(tokenizer, context, target)[1])})
     return documents
 
 
-def conversation_pair(tokenizer, template: templates.ChatTemplate, messages: list[dict],
-                      tools: list[dict] | None = None) -> tuple[str | None, str]:
-    """(context, target) of a conversation: everything before its last assistant turn with the generation prompt,
-    and that turn as the template renders it, then EOS unless the turn already ends with it (Llama 2's ``</s>``).
-    Turns after the last answer are left out; ``tools``: the row's function schemas, rendered as training did.
-    (None, "") when the template cannot be split there."""
+def conversation_pair(tokenizer, template: templates.ChatTemplate, conversation) -> tuple[str | None, str]:
+    """(context, target) of a :class:`~finetune_kit.data.formats.Conversation`: everything before its last assistant
+    turn with the generation prompt, and that turn as the template renders it, then EOS unless the turn already
+    ends with it (Llama 2's ``</s>``). Turns after the last answer are left out; its tool schemas render as
+    training rendered them. (None, "") when the template cannot be split there."""
+    messages, tools = conversation.messages, conversation.tools
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     context = templates.render(tokenizer, template, messages[:last], generation_prompt=True, tools=tools)
     through = templates.render(tokenizer, template, messages[: last + 1], tools=tools)
