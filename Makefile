@@ -226,10 +226,10 @@ PLAN := PYTHONPATH=$(CURDIR)/shared:$(TOOLS) $(PYTHON) -m finetune_tools.plannin
 # NODES is also the monitoring targets' host list (below): a number only when given on the command line.
 plan_nodes = $(if $(filter command line,$(origin NODES)),$(NODES),1)
 
-plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIPE=llama3-8b-zero3 [GPU= GPUS= NODES= NETWORK= TOKENS= DATA= MODEL= PRICE= SP= SEQ=max (longest context) FP8=tensorwise|rowwise (fp8 over bf16) BEST=1 (every setting ranked, the fastest that fits first) HOST_CORES=]
+plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIPE=llama3-8b-zero3 [GPU= GPUS= NODES= NETWORK= TOKENS= DATA= MODEL= PRICE= SP= SEQ=max (longest context) FP8=tensorwise|rowwise (fp8 over bf16) BEST=1 (the settings ranked, the fastest that fits first; BEST=all: every one) HOST_CORES=]
 	$(PLAN) --recipe recipes/$(RECIPE) $(if $(GPU),--gpu $(GPU) --gpus-per-node $(or $(GPUS),8) --nodes $(plan_nodes) \
 	  $(if $(NETWORK),--network $(NETWORK)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(DATA),--data $(DATA)) \
-	  $(if $(FP8),--fp8 $(FP8)) $(if $(filter 1,$(BEST)),--best) $(if $(HOST_CORES),--host-cores $(HOST_CORES)) \
+	  $(if $(FP8),--fp8 $(FP8)) $(if $(filter 1 all,$(BEST)),--best) $(if $(filter all,$(BEST)),--best-all) $(if $(HOST_CORES),--host-cores $(HOST_CORES)) \
 	  $(if $(MODEL),--model $(MODEL)) $(if $(SP),--sequence-parallel $(SP)) $(if $(SEQ),--seq-len $(SEQ)) \
 	  $(if $(PRICE),--price $(PRICE)))
 

@@ -180,8 +180,8 @@ class Efficiency:
 
 
 def family(gpu: Gpu) -> str:
-    """"A100", "H100", "H200": the GPU generation a compute efficiency is fitted per."""
-    return gpu.name.split()[0]
+    """"A100", "H100", "H200", "RTX 4090", ...: the GPU generation a compute efficiency is fitted per."""
+    return gpu.kind
 
 
 CALIBRATION_FILE = "speed-calibration.json"  # package data of finetune_kit.planning: what make results fits

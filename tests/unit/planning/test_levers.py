@@ -144,6 +144,21 @@ def test_make_plan_best_prints_the_ranking_with_flags_the_recipe_takes(capsys):
     assert parsed.micro_batch_size * parsed.grad_accum == 16
 
 
+def test_make_plan_best_lists_the_first_few_and_counts_the_rest(capsys):
+    """The 8B on 8 GPUs has 160 settings: --best lists BEST_SHOWN and counts the others; --best-all lists them all,
+    the same first lines in the same order."""
+    recipe = ["--recipe", str(REPO / "recipes/llama3-8b-zero3"), "--gpu", "h100", "--gpus-per-node", "8", "--best"]
+    cli.main(recipe)
+    few = [line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() or line.startswith("...")]
+    cli.main([*recipe, "--best-all"])
+    out = capsys.readouterr().out
+    every = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert len(every) == 160 and "more of" not in out
+    assert [line.split() for line in few[:-1]] == [line.split() for line in every[:cli.BEST_SHOWN]]
+    assert few[-1] == (f"... and {160 - cli.BEST_SHOWN} more of 160 settings, each slower or not fitting: --best-all "
+                       "(make plan BEST=all) shows them all")
+
+
 def test_best_needs_a_recipe_and_a_gpu():
     with pytest.raises(Exception, match="--best ranks a recipe's settings on a GPU"):
         cli.main(["--model", "llama3-8b", "--best"])

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from finetune_kit.models.shapes import Adapter, resolve_model
+from finetune_kit.planning import speed
 from finetune_kit.planning.hardware import GPUS, LINK_EFFICIENCY, NETWORKS, gpu_for_device
 from finetune_kit.planning.speed import CALIBRATED, Cluster, Efficiency, Job, bytes_per_step, predict
 from finetune_tools.planning import breakdown
@@ -154,6 +155,25 @@ def test_device_names_map_to_profiles():
     assert gpu_for_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
     assert gpu_for_device("H100 PCIe") is GPUS["h100-pcie"]
     assert gpu_for_device("A100 80GB") is GPUS["a100-80"] and gpu_for_device("cpu") is None
+    names = {"NVIDIA H200": "h200", "NVIDIA B200": "b200", "NVIDIA L40S": "l40s", "NVIDIA RTX A6000": "rtx-a6000",
+             "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA GeForce RTX 5090": "rtx5090"}
+    for device, profile in names.items():
+        assert gpu_for_device(device) is GPUS[profile], device
+    for other in ("NVIDIA GB200", "NVIDIA RTX 6000 Ada Generation", "NVIDIA L4", "NVIDIA GeForce RTX 4080"):
+        assert gpu_for_device(other) is None, other  # another GPU than any profile: no MFU rather than a wrong one
+    assert len({speed.family(gpu) for gpu in GPUS.values()}) == len(GPUS) - 2  # A100 40/80, H100 SXM/PCIe share
+
+
+@pytest.mark.parametrize("gpu", ["rtx4090", "rtx5090", "rtx-a6000", "l40s", "b200"])
+def test_make_plan_answers_for_the_gpus_adapters_run_on(gpu):
+    """`make plan RECIPE=llama3-8b-zero3 GPU=... GPUS=1`: the full fine-tune's verdict at the GPU's memory, and with
+    a speed the cheapest change; a 24-48 GB card does not hold the 8B's full fine-tune, a B200 does."""
+    text = run_planner("--recipe", str(REPO / "recipes/llama3-8b-zero3"), "--gpu", gpu, "--gpus-per-node", "1",
+                       "--nodes", "1")
+    profile = GPUS[gpu]
+    assert f"speed on 1 x {profile.name}" in text and "cheapest change that helps" in text
+    verdicts = re.findall(r"verdict: (fits|does not fit)", text)
+    assert verdicts and (set(verdicts) == {"does not fit"}) == (profile.memory_GiB < 80), verdicts
 
 
 def run_planner(*argv: str) -> str:

@@ -157,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     cost.add_argument("--best", action="store_true",
                       help="with --recipe and --gpu: rank every setting the recipe can run (micro-batch at the same "
                            "global batch, checkpointing, loss kernel, compile, ZeRO-3 or FSDP2, offload), the "
-                           "fastest that fits with 10%% of the GPU's memory free first")
+                           f"fastest that fits with 10%% of the GPU's memory free first; the first {BEST_SHOWN} shown")
+    cost.add_argument("--best-all", action="store_true", help="with --best: show every setting, not the first few")
     args = p.parse_args(argv)
     if args.gpu_memory_GiB is None:
         args.gpu_memory_GiB = gpu_profile(args.gpu).memory_GiB if args.gpu else 80.0
@@ -230,6 +231,9 @@ def engine_setups(base: Setup) -> list[Setup]:
     return [base]
 
 
+BEST_SHOWN = 10  # settings --best lists; the rest are counted (--best-all lists them)
+
+
 def render_best(p: Plan, args, recipe: Path | None) -> str:
     """Every setting the recipe can run on ``args``' hardware (:func:`finetune_kit.planning.levers.options`) at the
     plan's global batch, ranked: memory, tokens/s, hours, measured or predicted, and the exact flags."""
@@ -243,7 +247,8 @@ def render_best(p: Plan, args, recipe: Path | None) -> str:
                                                        measured=lambda job, c: found.get(levers_key(job, c), ""))])
     tokens = args.tokens or (count_tokens(args) if args.data else None)
     rows = []
-    for i, o in enumerate(ranked, 1):
+    shown = ranked if args.best_all else ranked[:BEST_SHOWN]
+    for i, o in enumerate(shown, 1):
         config = LAUNCH_CONFIGS.get(o.engine) if o.job.adapter is None else None
         launch = f"--config_file {config} " if config and recipe and (recipe / config).is_file() else ""
         hours = f"{tokens / (o.tokens_per_s * cluster.gpus) / 3600:,.1f}" if tokens else "-"
@@ -259,8 +264,11 @@ def render_best(p: Plan, args, recipe: Path | None) -> str:
                if first.fits(0.0) else " -- none fits at all: the first is the fastest of those that do not") + ". "
             f"Memory and speed predicted (constants: {source}); \"measured\" names the GPU record of that exact "
             "setting. --recipe's launch configs pick the engine.\n")
+    rest = len(ranked) - len(shown)
+    tail = (f"\n... and {rest} more of {len(ranked)} settings, each slower or not fitting: --best-all (make plan "
+            "BEST=all) shows them all" if rest else "")
     return head + text_table(["#", "engine", "GiB per GPU", "fits", "tokens/s per GPU",
-                              f"hours for {tokens:,.0f} tokens" if tokens else "hours", "speed", "flags"], rows)
+                              f"hours for {tokens:,.0f} tokens" if tokens else "hours", "speed", "flags"], rows) + tail
 
 
 def levers_key(job: Job, cluster: Cluster) -> tuple:
