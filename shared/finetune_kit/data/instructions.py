@@ -81,6 +81,12 @@ class InstructionRows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def first_validation_row(self) -> int:
+        """Where the validation split's rows start (``len(self)`` without one): they were read after the training
+        split's."""
+        return len(self) - self.splits.validation_rows
+
     def conversation(self, i: int) -> formats.Conversation:
         """Row ``i`` (from 0) as the model reads it."""
         return self.format.read(self.rows[int(i)], int(i))
@@ -152,7 +158,7 @@ def _read(source: str, split: str, flag: str):
         raise DataError(f"could not parse data file '{source}' as {kind}: {cause or type(err).__name__}") from err
 
 
-def folder_splits(path: Path) -> dict[str, list[str]]:
+def _folder_splits(path: Path) -> dict[str, list[str]]:
     """The .parquet files of folder ``path`` by split, as ``datasets`` reads a local dataset's splits from file and
     folder names (``data/train-00000-of-00001.parquet``, ``test/...``); a folder whose names say no split is one
     ``train`` split of every file. Empty when it holds no .parquet file."""
@@ -171,7 +177,7 @@ def _read_parquet_folder(path: Path, source: str, split: str):
     """The rows of ``split`` of a folder of .parquet files, with those of its validation split after them."""
     import pyarrow.parquet as pq
 
-    by_split = folder_splits(path)
+    by_split = _folder_splits(path)
     if not by_split:
         raise DataError(f"data folder '{source}' holds no .parquet files. Pass a folder of .parquet files, or one "
                         f"data file ({', '.join(FILE_FORMATS)}).")
@@ -305,8 +311,7 @@ def holdout_split(examples, fraction: float, seed: int, rows: InstructionRows | 
     where it has one), or ``max(1, round(n * fraction))`` examples chosen by ``seed``; validation is None when
     ``fraction`` is 0 (and a validation split is then neither held out nor trained on)."""
     if rows is not None and rows.splits.validation:
-        first = len(rows) - rows.splits.validation_rows  # the rows were read as the training split's, then its
-        held = [ids[0] >= first for ids in examples["example_ids"]]
+        held = [ids[0] >= rows.first_validation_row for ids in examples["example_ids"]]
         if fraction and not any(held):
             raise DataError(f"data '{rows.source}': none of the {rows.splits.validation_rows} rows of its "
                             f"'{rows.splits.validation}' split is left to validate on (each too long for --max-seq-len "
