@@ -162,8 +162,8 @@ results: $(NOX) ## regenerate results/README.md and its plot from the run record
 # After a QLoRA run: the adapter merged into the base loaded in 16-bit (not into the 4-bit weights it trained
 # against), in RUN/merged with its model card. One process, host RAM for the 16-bit base (70B: ~140 GB), no GPU.
 RUN ?=
-merge: ## merge a QLoRA run's adapter into its 16-bit base: RUN=out/llama3-70b-qlora [MERGE_ARGS="--dtype bfloat16"]
-	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished llama3-70b-qlora run>."; exit 2; }
+merge: ## merge an adapter run's adapter (--peft lora|qlora) into its 16-bit base: RUN=out/llama3-70b-qlora [MERGE_ARGS="--dtype bfloat16"]
+	@test -n "$(RUN)" || { echo "Set RUN=<the --output folder of a finished run with adapters (--peft lora or qlora)>."; exit 2; }
 	PYTHONPATH=$(TOOLS) $(PYTHON) -m finetune_tools.merge "$(abspath $(RUN))" $(MERGE_ARGS)
 
 # After a run: lm-evaluation-harness on the model the run saved (model/, else merged/, else adapter/ over its base),

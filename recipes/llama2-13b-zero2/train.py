@@ -111,10 +111,8 @@ def main(argv=None) -> None:
     hf_trainer.check_enough_data(targs, len(train_set))
 
     # ---- 4. Model: every rank holds the bf16 weights; ZeRO-2 splits gradients and optimizer ----
-    model = models.load_causal_lm(args.model, models.attention_for(args.attention, packed=args.pack))
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
-    model.config.use_cache = False
+    model = models.load_causal_lm(args.model, models.attention_for(args.attention, packed=args.pack),
+                                  tokenizer=tokenizer)  # resized only if a <pad> token had to be added
     losses.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss_chunks pieces: no full logits
 
     # ---- 5. Train: optimizer from the JSON ("auto" filled from the flags), cosine schedule ----

@@ -24,15 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 # First: the package quiets a bitsandbytes warning that importing peft would print
-from finetune_kit import losses, model_card, models, run_main, training
+from finetune_kit import losses, models, run_main, training
 
 # isort: split
-from peft import LoraConfig
 from torch.utils.data import DataLoader
-from transformers import BitsAndBytesConfig
 
 from finetune_kit.data import reviews
-from finetune_kit.models import qlora
+from finetune_kit.models import adapters, qlora
 
 RECIPE = "llama3-70b-qlora"
 LAUNCH = "'accelerate launch --config_file configs/zero3-main.yaml train.py ...' (zero3-worker.yaml on the worker)"
@@ -40,71 +38,54 @@ flag = training.flag
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.LoopArguments):
-    """The shared families (training/arguments.py) and this recipe's own: reviews, LoRA, 4-bit storage, nodes."""
+class Arguments(training.ModelArguments, training.Adapters, training.LoopArguments):
+    """The shared families (training/arguments.py: the adapters' too) and this recipe's own: reviews, dtype, nodes."""
 
     data: list[str] = flag(None, "one or more review CSV files", nargs="+")
     rating_column: str = flag("rating", "the CSV column of the 1-5 star rating")
     text_column: str = flag("text", "the CSV column of the review text")
     eval_fraction: float = flag(0.1, "share of the reviews held out for validation")
     offload_activations: bool = flag(False, "the tensors saved for backward in pinned host memory: less GPU memory")
-    lora_rank: int = flag(16, "adapter rank r (memory grows linearly)")
-    lora_alpha: int = flag(32, "adapter scale is alpha / r")
-    lora_dropout: float = flag(0.05, "dropout on the adapters' input")
-    lora_targets: str = flag("all-linear", "'all-linear' or comma-separated module names, e.g. q_proj,v_proj")
     dtype: str = flag("bfloat16", "compute and model dtype")
-    quant_storage: str = flag("bfloat16", "container dtype of 4-bit weights (= --dtype under ZeRO-3)")
     device_map: str = flag(None, "not allowed under ZeRO-3 (checked)")
-    merge: bool = flag(False, "also write merged/: base + adapter in --dtype (rank 0; 2 bytes/param of host RAM)")
     rendezvous_timeout: float = flag(300, "seconds to wait for the other node's ranks before failing")
 
 
 def parse_args(argv=None) -> Arguments:
     return training.parse(Arguments, argv, description="Llama 3.3 70B QLoRA review-sentiment classifier, ZeRO-3.",
                           model="meta-llama/Llama-3.3-70B-Instruct", output="out/llama3-70b-qlora", max_seq_len=512,
-                          lr=1e-4, epochs=1)
+                          lr=1e-4, epochs=1, peft="qlora")
 
 
 def check_inputs(argv=None):
     """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
     runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args = parse_args(argv)
-    qlora.check_zero3_settings(dtype=args.dtype, quant_storage=args.quant_storage, device_map=args.device_map)
-    targets = qlora.parse_targets(args.lora_targets)
+    qlora.check_zero3_settings(dtype=args.dtype, device_map=args.device_map)
+    # --peft qlora (nf4, double quantization, --dtype compute and storage) or lora: the flags, checked, decided once
+    tuning = adapters.decide(args, recipe=RECIPE, dtype=args.dtype, allowed=("lora", "qlora"))
     checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH, configs=": use configs/zero3.json.",
-                                      method="qlora", num_labels=len(reviews.LABELS),
-                                      adapter=qlora.adapter_plan(args.lora_rank, targets, quantization(args)),
-                                      resume_must_match={"model": args.model,  # the 4-bit base is rebuilt from it
-                                                         "lora": f"r {args.lora_rank}, alpha {args.lora_alpha}, "
-                                                                 f"targets {args.lora_targets}"})
-    qlora.check_prequantized(checked.model_config, quantization(args), model=args.model)  # a 4-bit folder: the same
+                                      tuning=tuning, num_labels=len(reviews.LABELS),  # a 4-bit folder: its settings
+                                      resume_must_match={"model": args.model})  # the frozen base is rebuilt from it
     args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
     rows, counts = reviews.load_reviews(args.data, args.rating_column, args.text_column)
-    return args, targets, checked, rows, counts
+    return args, checked, rows, counts
 
 
-def quantization(args) -> BitsAndBytesConfig:
-    """The 4-bit base this recipe trains on; a folder saved in 4-bit must have been saved with exactly these."""
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4",  # normal-float 4-bit: fits normally distributed weights
-        bnb_4bit_use_double_quant=True,  # quantise the quantisation constants too: ~0.4 bit/param saved
-        bnb_4bit_compute_dtype=qlora.parse_dtype(args.dtype, "--dtype"),  # matmuls run in it after dequantising
-        bnb_4bit_quant_storage=qlora.parse_dtype(args.quant_storage, "--quant-storage"))  # ZeRO-3: = --dtype
-
-
-def quantized_classifier_with_lora(args, targets, tokenizer, model_config):
-    """What trains: the 4-bit base (quantized as it loads, or a 4-bit folder as saved), LoRA, a head."""
-    bnb = None if qlora.prequantized(model_config) else quantization(args)  # a 4-bit folder: its own (= these)
-    model = qlora.load_quantized_classifier(args.model, bnb, pad_token_id=tokenizer.pad_token_id, dtype=args.dtype)
-    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
-                      target_modules=targets, task_type="SEQ_CLS", modules_to_save=[qlora.HEAD])  # head: in full
-    return qlora.add_lora(model, lora, gradient_checkpointing=args.gradient_checkpointing,
-                          recompute_every=args.recompute_every)
+def quantized_classifier_with_lora(args, checked, tokenizer):
+    """What trains: the base (4-bit, quantized as it loads or a 4-bit folder as saved; --peft lora: 16-bit), LoRA,
+    and a new head trained in full."""
+    model = qlora.load_quantized_classifier(args.model, checked.quantization, pad_token_id=tokenizer.pad_token_id,
+                                            dtype=args.dtype)
+    if args.gradient_checkpointing:  # non-reentrant: works with frozen inputs and ZeRO-3's parameter hooks
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=args.recompute_every)
+    return adapters.wrap(model, checked.tuning, task_type="SEQ_CLS", modules_to_save=[qlora.HEAD])
 
 
 def main(argv=None) -> None:
     # ---- 1. Check every input before any process group, data or weights (seconds) ----
-    args, targets, checked, rows, counts = check_inputs(argv)
+    args, checked, rows, counts = check_inputs(argv)
 
     # ---- 2. Distributed setup: the nodes agree on the job's shape and launch plan, then the YAML + JSON drive it ----
     accelerator = training.start(checked, args, rendezvous_timeout=args.rendezvous_timeout)
@@ -123,13 +104,12 @@ def main(argv=None) -> None:
     schedule = training.Schedule.plan(len(held_out["train"]), args, checked.data_ranks)
 
     # ---- 4. Model: nf4 base loaded shard by shard (zero.Init), LoRA + head trainable ----
-    model = quantized_classifier_with_lora(args, targets, tokenizer, checked.model_config)
+    model = quantized_classifier_with_lora(args, checked, tokenizer)
     param_classes = qlora.parameter_classes(model)
     accelerator.print(f"parameters: {param_classes}")
 
     # ---- 5. Optimizer from the JSON ("auto" filled here) over LoRA + head, cosine schedule ----
-    optimizer, scheduler = training.optimizer_and_schedule([p for p in model.parameters() if p.requires_grad],
-                                                           checked, args, schedule.total_steps)
+    optimizer, scheduler = training.optimizer_and_schedule(model.parameters(), checked, args, schedule.total_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler)
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
@@ -169,16 +149,12 @@ def main(argv=None) -> None:
         adapter_dir = training.save_adapter(accelerator, model, tokenizer, checked.output / "adapter") \
             if args.save_model else None
         training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
-                        split=split, evals=evals, saved_to=adapter_dir, batch=training.batch_shape(args), details={
-                            "data_counts": counts, "parameter_classes": param_classes,
-                            "lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-                                     "targets": args.lora_targets}})
+                        split=split, evals=evals, saved_to=adapter_dir, batch=training.batch_shape(args),
+                        details={"data_counts": counts, "parameter_classes": param_classes})
 
-    # ---- 8. Optional: merged export (one process, outside ZeRO-3) ----
-    if args.merge and adapter_dir and accelerator.is_main_process:
-        merged = qlora.merge_adapter(args.model, adapter_dir, checked.output / "merged", dtype=qlora.parse_dtype(
-            args.dtype, "--dtype"), labels=reviews.LABELS)  # the base in --dtype, then the adapter merged into it
-        print(f"merged model saved to {merged}; model card: {model_card.write(checked.output)[-1]}")
+    # ---- 8. Optional: merged export (one process, outside ZeRO-3): the base in --dtype, the adapter merged in ----
+    if args.merge and accelerator.is_main_process:
+        training.save_merged(checked, adapter_dir, dtype=args.dtype, labels=reviews.LABELS)
 
 
 if __name__ == "__main__":

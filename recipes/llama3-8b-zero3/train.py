@@ -19,11 +19,15 @@ Launch from this folder:
     # the same script under PyTorch FSDP2 instead of DeepSpeed (README: "ZeRO-3 or FSDP2?"):
     accelerate launch --config_file configs/fsdp2.yaml train.py --data my_data.jsonl
 
+    # LoRA adapters over the frozen bf16 base (--peft qlora: over its 4-bit copy), one 24-48 GB GPU (README: "Method"):
+    accelerate launch --config_file configs/zero3.yaml --num_processes 1 train.py --data my_data.jsonl --peft lora
+
 Data: JSONL/CSV/Parquet rows (or a hub dataset) in any of the formats the README lists: chat "messages",
 ShareGPT, Alpaca, prompt/completion, prompt/response; the loss is on the assistant's turns. Outputs
 under --output: checkpoints/step_N/ (resume with --resume), model/ (consolidated bf16
 safetensors + tokenizer with the chat template, generation_config.json stopping at its end of turn, README.md:
-the model card), samples.jsonl (held-out prompts answered by the final model; --sample-before: also before
+the model card; with --peft lora|qlora: adapter/ instead, for PeftModel over the base, and merged/ with --merge),
+samples.jsonl (held-out prompts answered by the final model; --sample-before: also before
 training), heldout.jsonl (the held-out rows, for `make eval`), metrics.jsonl (one line per logged step: loss,
 tokens/s, TFLOP/s, MFU, memory; also to TensorBoard, W&B or MLflow with --report-to), run_record.json
 (throughput medians, peak memory, hardware and library versions: what results/ collects), run_info.json (data
@@ -38,14 +42,15 @@ from dataclasses import dataclass, replace
 from torch.utils.data import DataLoader
 
 from finetune_kit import data, losses, models, run_main, training
+from finetune_kit.models import adapters
 
 RECIPE = "llama3-8b-zero3"
 LAUNCH = "'accelerate launch --config_file configs/zero3.yaml train.py ...'"
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.InstructionData, training.Samples, training.Kernels,
-                training.LongContext, training.LoopArguments):
+class Arguments(training.ModelArguments, training.InstructionData, training.Adapters, training.Samples,
+                training.Kernels, training.LongContext, training.LoopArguments):
     """Every flag this recipe takes: the shared families (training/arguments.py), nothing of its own."""
 
 
@@ -59,7 +64,8 @@ def check_inputs(argv=None):
     """Step 1: every check that needs no process group (seconds); raises UserInputError. Each rank
     runs it first; `python -m finetune_kit.check` runs it once before the launcher starts any."""
     args = parse_args(argv)
-    checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH,
+    tuning = adapters.decide(args, recipe=RECIPE)  # --peft: every weight, or LoRA over a 16-bit or 4-bit frozen base
+    checked = training.for_accelerate(RECIPE, args, zero_stage=3, launch=LAUNCH, tuning=tuning,
                                       configs=". Use configs/zero3.json or zero3-offload.json (or configs/fsdp2.yaml).")
     args = replace(args, **checked.plan.flags)  # the split and levers as decided (--levers auto: its pick)
     rows = data.load_rows(args.data, args.data_format, args.prompt_field, args.response_field, split=args.data_split,
@@ -92,18 +98,16 @@ def main(argv=None) -> None:
                                                              collate_fn=collate), sp)  # one slice per rank of a group
     schedule = training.Schedule.plan(len(train_set), args, checked.data_ranks)  # steps per epoch, in all
 
-    # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: loaded on rank 0 only) ----
+    # ---- 4. Model: ZeRO-3 builds it inside deepspeed.zero.Init (FSDP2: on rank 0 only); qlora: 4-bit linears ----
     attention = models.attention_for(args.attention, packed=args.pack)
-    model = models.load_causal_lm(args.model, attention)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # only if a <pad> token had to be added
-    model.config.use_cache = False  # no KV cache in training (packed sequences need its absence)
+    model = models.load_causal_lm(args.model, attention, checked.quantization, tokenizer=tokenizer)  # + a <pad>?
     losses.use_chunked_loss(model, args.loss_chunks, args.loss_kernel)  # --loss-chunks pieces: no full logits
     models.use_tiled_mlp(model, args.tiled_mlp)  # --tiled-mlp: each MLP a slice of the tokens at a time
     training.use_sequence_parallel(model, sp, attention, 1 if args.pack else args.micro_batch_size)  # all-to-all
     if args.gradient_checkpointing:  # recompute every --recompute-every-th layer in the backward
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=args.recompute_every)
+    model = adapters.wrap(model, checked.tuning)  # --peft lora|qlora: the base frozen, LoRA adapters train
     models.compile_layers(model, args.compile)  # --compile: each decoder layer through torch.compile
 
     # ---- 5. Optimizer from the JSON ("auto" filled here; FSDP2: AdamW), cosine schedule with warm-up ----
@@ -112,12 +116,12 @@ def main(argv=None) -> None:
     eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
         checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
-        start = checkpointer.resume()  # the checkpoint the checks chose (--resume auto: the newest), or step 0
+        start = checkpointer.resume(load_module_strict=not checked.tuning.adapted)  # adapters: the base is --model's
         meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
         prior = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
         model.train()
 
-        # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token) and memory per step ----
+        # ---- 6. Train: real tokens, model FLOPs (6N + 12LHQT per token; adapters: 4N + 6N of theirs) and memory ----
         for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
             grad_norm = None
             for batch in step.micro_batches:
@@ -138,15 +142,16 @@ def main(argv=None) -> None:
             if stopping:
                 return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 
-        # ---- 7. Save the consolidated model; validation, sample answers, run record, run info and model card ----
-        model_dir = training.save_consolidated(accelerator, model, tokenizer, checked.output / "model", template) \
-            if args.save_model else None  # generation_config.json stops at the chat template's end of turn
+        # ---- 7. Save model/ (adapters: adapter/); validation, sample answers, run record, run info and model card ----
+        model_dir = training.save_trained(accelerator, model, tokenizer, checked, template) if args.save_model else None
         evals = [training.validation(step, {"eval_loss": training.evaluate_loss(model, eval_dl, accelerator)})] \
             if eval_set else []
         samples = training.sample_answers(accelerator, model, tokenizer, template, prompts, args, checked, prior, evals)
         training.finish(accelerator, checked, args, model, meter, steps=step.number, total_steps=schedule.total_steps,
                         split=split, evals=evals, saved_to=model_dir, batch=training.batch_shape(args),
                         training={"packing": args.pack}, samples=samples)
+    if args.merge and accelerator.is_main_process:  # ---- 8. --merge: the adapter folded into the base in bf16 ----
+        training.save_merged(checked, model_dir)  # one process, outside ZeRO-3
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def render(folder: str, facts: dict) -> str:
     base = info["model"]
     classifier = record["training"]["method"] != "full" and record["recipe"].endswith("qlora")
     datasets = _datasets(record, settings)
-    title = f"{record['recipe']}: {Path(base).name} fine-tuned ({_what(record, folder)})"
+    title = f"{record['recipe']}: {Path(base).name} fine-tuned ({_what(folder, classifier)})"
     lines = ["---", card_data(folder, facts, title, datasets).to_yaml(), "---", "", f"# {title}", ""]
     lines += [f"Fine-tuned from `{base}` with the `{record['recipe']}` recipe of {PROJECT} "
               f"({record['training']['method']} fine-tune, {_engine(record)}, {record['hardware']['devices']} x "
@@ -186,8 +186,9 @@ def _engine(record: dict) -> str:
     return ("FSDP2" if t.get("engine") == "fsdp2" else f"DeepSpeed ZeRO-{t['zero_stage']}") + offload
 
 
-def _what(record: dict, folder: str) -> str:
-    return {"model": "consolidated 16-bit weights", "adapter": "LoRA adapter and classification head",
+def _what(folder: str, classifier: bool) -> str:
+    return {"model": "consolidated 16-bit weights",
+            "adapter": "LoRA adapter and classification head" if classifier else "LoRA adapter",
             "merged": "adapter merged into the 16-bit base"}[folder]
 
 
@@ -208,9 +209,17 @@ def _usage(folder: str, base: str, classifier: bool) -> list[str]:
                 f"tokenizer = AutoTokenizer.from_pretrained({here})",
                 'label = model(**tokenizer("Great value, works perfectly.", return_tensors="pt")).logits.argmax(-1)',
                 "print(['negative', 'positive'][label.item()])"]
-    return ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-            f"model = AutoModelForCausalLM.from_pretrained({here})",
-            f"tokenizer = AutoTokenizer.from_pretrained({here})  # the chat template it trained with",
+    if folder == "adapter":
+        load = ["import torch", "from peft import PeftModel", "from transformers import AutoModelForCausalLM, "
+                "AutoTokenizer", "", f'base = AutoModelForCausalLM.from_pretrained("{base}", dtype=torch.bfloat16)',
+                f"tokenizer = AutoTokenizer.from_pretrained({here})  # the chat template it trained with",
+                "base.resize_token_embeddings(len(tokenizer))  # a no-op unless the run added a pad token",
+                f"model = PeftModel.from_pretrained(base, {here})  # the LoRA weights (and a resized vocabulary's)"]
+    else:
+        load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                f"model = AutoModelForCausalLM.from_pretrained({here})",
+                f"tokenizer = AutoTokenizer.from_pretrained({here})  # the chat template it trained with"]
+    return [*load,
             'messages = [{"role": "user", "content": "What is the capital of Morocco?"}]',
             'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
             "return_dict=True)",
@@ -238,8 +247,11 @@ def _settings(record: dict, info: dict, settings: dict) -> list[tuple[str, objec
             ("activation checkpointing", t["gradient_checkpointing"]), ("seed", first("seed"))]
     lora = info.get("details", {}).get("lora")
     if lora:
-        rows.append(("LoRA", f"rank {lora['rank']}, alpha {lora['alpha']}, dropout {lora['dropout']}, "
-                             f"targets {lora['targets']}"))
+        rows.append(("LoRA" + (" (DoRA)" if lora.get("dora") else ""), f"rank {lora['rank']}, alpha "
+                     f"{lora['alpha']:g}, dropout {lora['dropout']:g}, targets {lora['targets']}"))
+        if lora.get("quant_type"):
+            rows.append(("4-bit base", f"{lora['quant_type']}, double quantization {lora['double_quant']}, "
+                                       f"stored as {lora['quant_storage']}"))
     for key in ("sequence_parallel", "fp8"):
         if t.get(key) not in (None, 1, False, "none"):
             rows.append((key.replace("_", " "), t[key]))

@@ -334,7 +334,7 @@ def test_make_merge_exports_a_run_that_finished_without_merging(run, tiny_llama3
 
 
 @pytest.mark.parametrize("missing, message", [
-    ("adapter", "holds no adapter/adapter_config.json: merging needs the adapter a QLoRA run saved"),
+    ("adapter", "holds no adapter/adapter_config.json: merging needs the adapter a run with --peft lora or qlora"),
     ("run_info.json", "has no run_info.json to read the base model from. Pass --base"),
 ])
 def test_merge_names_what_the_run_folder_lacks(missing, message, run, tmp_path):
@@ -478,8 +478,10 @@ def test_resuming_with_other_lora_settings_is_refused(run, recipe_main, tiny_lla
     from finetune_kit.errors import UserInputError
 
     checkpoint = max((run / "checkpoints").glob("step_*"))
-    with pytest.raises(UserInputError, match=r"belongs to a different run: lora 'r 8, alpha 32, targets all-linear' "
-                                             r"in the checkpoint, 'r 4, alpha 32, targets all-linear' now"):
+    with pytest.raises(UserInputError, match=r"belongs to a different run: adapters 'qlora r 8, alpha 32, dropout 0, "
+                                             r"targets all-linear, nf4 double-quantized stored as bfloat16' in the "
+                                             r"checkpoint, 'qlora r 4, alpha 32, dropout 0, targets all-linear, nf4 "
+                                             r"double-quantized stored as bfloat16' now"):
         recipe_main([*sizes(tiny_llama3), "--output", str(tmp_path / "out"), "--resume", str(checkpoint),
                      "--lora-rank", "4"])
 
@@ -504,11 +506,12 @@ def write_csv(path: Path, text: str) -> str:
     ("rating_out_of_range", r"line 3 \(data row 2\): rating = '7' is not a star rating; expected a whole "
                             r"number from 1 to 5"),
     ("rating_not_a_number", r"line 2 \(data row 1\): rating = 'five'"),
-    ("quant_storage_mismatch", r"--quant-storage float32 differs from the model dtype --dtype bfloat16.*"
+    ("quant_storage_mismatch", r"--quant-storage float32 differs from the model's dtype bfloat16.*"
                                r"Pass --quant-storage bfloat16"),
+    ("full_fine_tune", r"--peft none: llama3-70b-qlora takes --peft lora or qlora"),
     ("device_map_under_zero3", r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"),
-    ("fsdp_launch", r"llama3-70b-qlora runs under DeepSpeed ZeRO-3; FSDP2 launch configs are supported for full "
-                    r"fine-tuning"),
+    ("fsdp_launch", r"llama3-70b-qlora runs under DeepSpeed ZeRO-3 with adapters \(--peft qlora\); FSDP2 launch "
+                    r"configs are supported for full fine-tuning"),
 ])
 def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, tiny_llama3, tmp_path, monkeypatch):
     from finetune_kit.errors import UserInputError
@@ -525,6 +528,8 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--data"] = write_csv(tmp_path / "r.csv", "rating,text\nfive,great\n")
     elif case == "quant_storage_mismatch":
         args["--quant-storage"] = "float32"
+    elif case == "full_fine_tune":
+        args["--peft"] = "none"
     elif case == "device_map_under_zero3":
         args["--device-map"] = "auto"
     elif case == "fsdp_launch":  # the 8B recipe's configs/fsdp2.yaml, launched here

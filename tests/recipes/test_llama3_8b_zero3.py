@@ -747,6 +747,139 @@ def test_the_split_tolerances_catch_each_micro_batchs_own_mean(split_run, tiny_l
         assert_one_model_for_every_split(runs, tiny_llama3)
 
 
+# ---- adapters: --peft lora and --peft qlora ----
+
+ADAPTER_RANK = 16  # the flags' default
+# The tiny Llama 3: 2 layers, hidden 64, 2 KV heads of 8, ffn 224. LoRA on every linear layer of a block holds
+# r (in + out) per layer: q 64+64, k 64+16, v 64+16, o 64+64, gate and up 64+224, down 224+64.
+ADAPTER_PARAMS = 2 * ADAPTER_RANK * (128 + 80 + 80 + 128 + 288 + 288 + 288)
+# Measured (AVX512 Xeon, tiny Llama 3 in fp32 for the comparison, the LoRA run's adapter): PeftModel over the base
+# against make merge's fp32 folder, largest |logit difference| 4.8e-7 at logits of about 0.9 in magnitude; the
+# base without the adapter is 6.1e-3 away (the negative control below).
+MERGED_LOGITS_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def adapter_runs(recipe_copy, tiny_llama3, tmp_path_factory) -> dict[str, Path]:
+    """The README's commands with adapters on two ranks, side by side: `make recipe-8b-zero3 NUM_GPUS=2 ...
+    TRAIN_ARGS="... --peft lora --merge"`, and `accelerate launch --config_file configs/zero3.yaml train.py ...
+    --peft qlora` from a copy of the recipe folder. 8 steps, a checkpoint at 4, two sample answers each. The LoRA run
+    without dropout (--lora-dropout 0): dropout's masks depend on how the batch is split and are not kept in a
+    checkpoint, so only without them can a resumed or re-split run train the same adapter."""
+    common = ("--max-steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "0", "--samples", "2")
+    outputs = {peft: tmp_path_factory.mktemp("runs") / peft for peft in ("lora", "qlora")}
+    lora = make_target("recipe-8b-zero3", *readme_variables(tiny_llama3, outputs["lora"], "--peft", "lora",
+                                                            "--lora-dropout", "0", "--merge", *common))
+    qlora = subprocess.Popen(accelerate_command(*sizes(tiny_llama3), "--peft", "qlora", "--output",
+                                                str(outputs["qlora"]), *common, config="configs/zero3.yaml"),
+                             cwd=recipe_copy, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=launch_env())
+    for peft, proc in zip(outputs, wait_all([lora, qlora], timeout=900), strict=True):
+        assert_finished(proc, STEPS, f"--peft {peft}")
+    return outputs
+
+
+def test_lora_and_qlora_train_their_adapters_alone_under_zero3(adapter_runs):
+    """Each run trains the adapters alone (r 16 on all seven linear layers of both blocks: ADAPTER_PARAMS) and its
+    loss falls. Three failures of this stack on the public trackers would each fail here:
+    - non-reentrant activation checkpointing over ZeRO-3's frozen partitions (transformers#47254, trl#2514): both
+      runs checkpoint every layer, and the tiny model's frozen linear weights are above ZeRO-3's persistence
+      threshold (10 x hidden), so they are released after each forward, the recompute's too;
+    - an adapter saved with zero-size tensors under ZeRO-3 (trl#4416): every tensor of adapter/ has LoRA's shape;
+    - fp32 adapters over a bf16 base in ZeRO-3's coalesced all-gather (DeepSpeed#8072): LoRA's adapters are saved
+      as peft made them, fp32, over the bf16 base, and the run took its 8 optimizer steps (QLoRA's come out bf16)."""
+    from safetensors.torch import load_file
+
+    for peft, output in adapter_runs.items():
+        record, info = json.loads((output / "run_record.json").read_text()), read_run_info(output)
+        assert (record["training"]["method"], record["model"]["params_trainable"]) == (peft, ADAPTER_PARAMS)
+        assert record["training"]["gradient_checkpointing"] and info["zero_stage"] == 3
+        assert info["details"]["lora"]["peft"] == peft and info["details"]["lora"]["rank"] == ADAPTER_RANK
+        assert all(rank["params"]["partitioned_params"] > 0 for rank in info["ranks"])
+        got = losses(output)
+        assert got[-1] < got[0], (peft, got)
+        config = json.loads((output / "adapter/adapter_config.json").read_text())
+        assert (config["task_type"], config["r"], config["peft_type"]) == ("CAUSAL_LM", ADAPTER_RANK, "LORA")
+        tensors = load_file(output / "adapter/adapter_model.safetensors")
+        assert sum(t.numel() for t in tensors.values()) == ADAPTER_PARAMS
+        assert all(ADAPTER_RANK in t.shape and t.numel() > 0 for t in tensors.values())
+        assert {t.dtype for t in tensors.values()} == {{"lora": torch.float32, "qlora": torch.bfloat16}[peft]}
+        assert not (output / "model").exists()
+    assert (adapter_runs["lora"] / "merged/model.safetensors").is_file()  # --merge
+    assert not (adapter_runs["qlora"] / "merged").exists()
+    assert read_run_info(adapter_runs["qlora"])["details"]["lora"]["quant_type"] == "nf4"
+
+
+def test_the_adapter_over_its_base_answers_as_make_merge_s_folder(adapter_runs, tiny_llama3, tmp_path):
+    """plain `PeftModel.from_pretrained` over the base gives the logits of the folder `make merge` writes (in fp32
+    here, so the comparison is not bf16's rounding), within MERGED_LOGITS_ATOL; the base alone does not (the negative
+    control). The recipe's own --merge folder (bf16) loads with plain transformers and its generation config stops
+    at the chat template's end of turn; the adapter's card says how to load it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    copy = tmp_path / "run"
+    shutil.copytree(adapter_runs["lora"], copy, ignore=shutil.ignore_patterns("checkpoints", "merged"))
+    proc, = wait_all([make_target("merge", f"RUN={copy}", "MERGE_ARGS=--dtype float32")], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(copy / "adapter")
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Spell the word 'silver' backwards."}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(**inputs).logits
+
+    base = logits(AutoModelForCausalLM.from_pretrained(tiny_llama3, dtype=torch.float32))
+    adapted = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama3, dtype=torch.float32),
+                                               copy / "adapter"))
+    merged = logits(AutoModelForCausalLM.from_pretrained(copy / "merged"))
+    print(f"adapter vs merged: {(adapted - merged).abs().max():.1e}; base vs adapter: "
+          f"{(adapted - base).abs().max():.1e} (logits up to {adapted.abs().max():.2f})")
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=MERGED_LOGITS_ATOL)
+    assert (adapted - base).abs().max() > 100 * MERGED_LOGITS_ATOL
+    bf16 = AutoModelForCausalLM.from_pretrained(adapter_runs["lora"] / "merged")
+    assert bf16.dtype == torch.bfloat16
+    assert tokenizer.convert_tokens_to_ids("<|eot_id|>") in bf16.generation_config.eos_token_id
+    card = (adapter_runs["lora"] / "adapter/README.md").read_text()
+    assert "library_name: peft" in card and "PeftModel.from_pretrained(base" in card
+    assert "| LoRA | rank 16, alpha 32, dropout 0, targets all-linear |" in card
+
+
+def test_make_eval_scores_a_qlora_run_through_its_adapter(adapter_runs, tmp_path):
+    """A run that saved adapter/ alone: make eval loads the adapter over its base (bf16, as make merge does) and
+    scores the held-out rows; the summary reaches the run record and the card."""
+    copy = tmp_path / "run"
+    shutil.copytree(adapter_runs["qlora"], copy, ignore=shutil.ignore_patterns("checkpoints"))
+    proc, = wait_all([make_target("eval", f"RUN={copy}")], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    heldout = json.loads((copy / "eval/summary.json").read_text())["tasks"]["heldout"]
+    info = read_run_info(copy)
+    print(f"harness loss {heldout['loss']:.4f} (bf16 base), the run's eval_loss {info['eval_loss']:.4f} (4-bit base)")
+    assert heldout["loss"] == pytest.approx(info["eval_loss"], rel=0.05)
+    assert f"| heldout | loss | {heldout['loss']:.4g} |" in (copy / "adapter/README.md").read_text()
+
+
+def test_an_adapter_resumes_exactly_from_its_checkpoint(adapter_runs, recipe_copy, tiny_llama3, tmp_path):
+    """The LoRA run's checkpoint at step 4, resumed: the frozen base is rebuilt from --model, the adapters and their
+    optimizer states come back from ZeRO-3's partitions, and steps 5-8 log the uninterrupted run's losses."""
+    output = tmp_path / "resumed"
+    checkpoint = adapter_runs["lora"] / f"checkpoints/step_{SAVE_EVERY:06d}"
+    proc = launch(recipe_copy, *sizes(tiny_llama3), "--peft", "lora", "--lora-dropout", "0", "--max-steps", str(STEPS),
+                  "--save-every", "0", "--output", str(output), "--resume", str(checkpoint))
+    assert_finished(proc, STEPS, "resumed LoRA")
+    assert_resumed_like_uninterrupted(adapter_runs["lora"], output, SAVE_EVERY, STEPS, atol=1e-6)
+
+
+def test_an_adapter_trains_one_model_however_the_batch_is_split(split_run, tiny_llama3):
+    """--peft lora (without dropout, whose masks follow the split), 1 x 8 x 1 against 2 x 2 x 2: the same losses,
+    gradient norms and adapter update (LoRA's B matrices, which start at zero: the update itself; A starts at its
+    seeded random values)."""
+    runs = {split: split_run(*split, "--peft", "lora", "--lora-dropout", "0") for split in ((1, 8, 1), (2, 2, 2))}
+    assert_one_model_for_every_split(runs, None, file="adapter/adapter_model.safetensors",
+                                     keep=lambda name: "lora_B" in name)
+
+
 # ---- fp8: torchao float8 linears ----
 
 FP8_CONFIG = "configs/fsdp2-fp8.yaml"
@@ -1127,6 +1260,12 @@ def test_the_check_alone_names_what_would_run(recipe_copy, tiny_llama3, tmp_path
     ("tools_without_a_template_for_them", r"data '.*tools\.jsonl' has 44 row\(s\) with tools, but the chat template "
                                           r"'tokenizer's own' cannot train tool calling \(its text leaves out the "
                                           r"tool schemas and the tool call\)\. Pass --chat-template llama3\.1"),
+    ("lora_target_typo", r"--lora-targets names qkv_proj, which is not a linear layer of --model .*; its linear "
+                         r"layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+    ("qlora_storage", r"--quant-storage float16 differs from the model's dtype bfloat16\. .* Pass --quant-storage "
+                      r"bfloat16\.$"),
+    ("adapters_under_fsdp2", r"llama3-8b-zero3 runs under DeepSpeed ZeRO-3 with adapters \(--peft lora\); FSDP2 "
+                             r"launch configs are supported for full fine-tuning"),
     ("fsdp_settings", r"FSDP settings of the accelerate YAML that this recipe does not run: fsdp_version is 1; .*"
                       r"fsdp_state_dict_type is FULL_STATE_DICT; .*fsdp_activation_checkpointing is true and the "
                       r"script checkpoints every decoder layer too"),
@@ -1210,6 +1349,13 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
     elif case == "no_room_for_a_checkpoint":
         usage = namedtuple("usage", "total used free")
         monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    elif case == "lora_target_typo":
+        args["--peft"], args["--lora-targets"] = "lora", "q_proj,qkv_proj"
+    elif case == "qlora_storage":
+        args["--peft"], args["--quant-storage"] = "qlora", "float16"
+    elif case == "adapters_under_fsdp2":
+        args["--peft"] = "lora"
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     elif case == "fsdp_settings":  # what accelerate exports from an FSDP1 YAML with full state dicts and its AC on
         for key, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_MIXED_PRECISION": "bf16",
                            "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",

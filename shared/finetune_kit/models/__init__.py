@@ -1,6 +1,7 @@
 """Models: shapes and parameter counts from a config (:mod:`.shapes`, no torch), loading with a real
-pad token (:mod:`.loading`, whose functions are importable from here), tiny test models (:mod:`.tiny`), 4-bit
-bases with LoRA under ZeRO-3 (:mod:`.qlora`), float8 linears (:mod:`.fp8`), activations kept in host memory
+pad token (:mod:`.loading`, whose functions are importable from here), tiny test models (:mod:`.tiny`), what
+trains (``--peft``: every weight, or LoRA adapters over a frozen 16-bit or 4-bit base, :mod:`.adapters`), LoRA and
+4-bit bases under ZeRO-3 (:mod:`.qlora`), float8 linears (:mod:`.fp8`), activations kept in host memory
 (:mod:`.activation_offload`), packed rows' attention through a variable-length kernel (:mod:`.packed_attention`),
 compiled decoder layers (:mod:`.compiled_layers`) and the MLP a slice of the sequence at a time
 (:mod:`.tiled_mlp`): their ``offload_activations``, ``attention_for``, ``compile_layers`` and ``use_tiled_mlp``

@@ -183,9 +183,18 @@ def ensure_pad_token(tokenizer) -> str:
     return "<pad>"
 
 
-def load_causal_lm(model: str, attention: str = "sdpa"):
-    """``AutoModelForCausalLM`` in bf16 (the checkpoints' own dtype) with ``attention`` (PyTorch's SDPA,
-    or e.g. :func:`~finetune_kit.models.packed_attention.attention_for`'s choice for packed rows)."""
+def load_causal_lm(model: str, attention: str = "sdpa", quantization=None, *, tokenizer=None):
+    """``AutoModelForCausalLM`` to train, in bf16 (the checkpoints' own dtype) with ``attention`` (PyTorch's SDPA,
+    or e.g. :func:`~finetune_kit.models.packed_attention.attention_for`'s choice for packed rows) and no KV cache
+    (packed sequences need its absence); ``quantization``: the ``BitsAndBytesConfig`` its linear layers are
+    quantized with as they load (QLoRA: the embeddings and the LM head stay bf16), or None. Its embeddings and head
+    are resized to ``tokenizer`` if that has more tokens: only if a ``<pad>`` had to be added
+    (:func:`ensure_pad_token`)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation=attention)
+    kwargs = {"quantization_config": quantization} if quantization is not None else {}
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation=attention, **kwargs)
+    if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().num_embeddings:
+        net.resize_token_embeddings(len(tokenizer))
+    net.config.use_cache = False
+    return net

@@ -1,8 +1,9 @@
-"""4-bit (QLoRA) classifiers under DeepSpeed ZeRO-3: build, check, report, save, merge.
+"""LoRA over a frozen base, 4-bit (QLoRA) or 16-bit, under DeepSpeed ZeRO-3: build, check, report, save, merge.
 
-The frozen base is bitsandbytes nf4 with double quantisation and bf16 compute (a folder saved in 4-bit must
-have been saved with those settings, each compared: :func:`check_prequantized`); LoRA
-adapters (PEFT) and the classification head ``score`` train. Two rules ZeRO-3 imposes:
+The frozen base is bitsandbytes 4-bit (``models.adapters.Tuning.quantization``: nf4 with double quantisation and
+bf16 compute by default; a folder saved in 4-bit must have been saved with the run's settings, each compared:
+:func:`check_prequantized`); LoRA adapters (PEFT) train, and a classifier's head ``score`` with them. Two rules
+ZeRO-3 imposes:
 
 - ``bnb_4bit_quant_storage`` must equal the model dtype. ZeRO-3 flattens and partitions
   every parameter of one dtype together; 4-bit weights stored as uint8 next to bf16
@@ -37,39 +38,16 @@ def parse_dtype(name: str, flag: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_zero3_settings(*, dtype: str, quant_storage: str, device_map: str | None) -> None:
-    """Raise ConfigError for settings ZeRO-3 cannot partition (see the module docstring)."""
+def check_zero3_settings(*, dtype: str, device_map: str | None) -> None:
+    """Raise ConfigError for settings ZeRO-3 cannot partition (see the module docstring; the 4-bit storage dtype is
+    checked with the other adapter flags, ``models.adapters.decide``)."""
     parse_dtype(dtype, "--dtype")
-    parse_dtype(quant_storage, "--quant-storage")
-    if quant_storage != dtype:
-        raise ConfigError(
-            f"--quant-storage {quant_storage} differs from the model dtype --dtype {dtype}. Under DeepSpeed "
-            "ZeRO-3 the 4-bit weights must be stored in the model dtype so they are partitioned with the "
-            f"other parameters. Pass --quant-storage {dtype}."
-        )
     if device_map:
         raise ConfigError(
             f"--device-map {device_map!r} cannot be used under DeepSpeed ZeRO-3: ZeRO-3 places every "
             "parameter shard itself (each rank on its own GPU). Drop --device-map; use it only for "
             "single-process inference, e.g. when evaluating a saved adapter."
         )
-
-
-def parse_targets(text: str) -> str | list[str]:
-    """``--lora-targets``: "all-linear", or comma-separated module names (spaces ignored)."""
-    if text.strip() == "all-linear":
-        return "all-linear"
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ConfigError(f"--lora-targets {text!r} names no module; pass all-linear or e.g. q_proj,v_proj.")
-    return names
-
-
-def adapter_plan(rank: int, targets: str | list[str], quantization=None):
-    """The memory planner's description of this adapter (a 4-bit base quantized by ``quantization``, a
-    ``BitsAndBytesConfig``; a folder saved in 4-bit: the checks read its own double quantization)."""
-    double_quant = bool(quantization.bnb_4bit_use_double_quant) if quantization is not None else True
-    return Adapter(rank=rank, targets=targets if targets == "all-linear" else tuple(targets), double_quant=double_quant)
 
 
 def as_saved(adapter: Adapter, model_config) -> Adapter:
@@ -205,10 +183,10 @@ def keep_cpu_weights_unpacked(model) -> int:
     partitioning), and the layout asserts that out_features is a multiple of 32 (not so
     for tiny test models). No effect on GPUs. Returns the number of layers changed.
     """
-    import bitsandbytes as bnb
-
     if torch.cuda.is_available():
         return 0
+    import bitsandbytes as bnb
+
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
@@ -251,13 +229,15 @@ def parameter_classes(model) -> dict:
     return out
 
 
-def trainable_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full copies (on CPU) of the trainable parameters; all ranks must call.
+def trainable_state_dict(model, also: tuple = ()) -> dict[str, torch.Tensor]:
+    """Full copies (on CPU) of the trainable parameters, and of the parameters in ``also`` (such as a resized
+    vocabulary's embeddings); all ranks must call.
 
     Under ZeRO-3 each is gathered from its shards first: without this the adapter would
-    be saved with zero-size tensors. Only adapter and head are gathered, never the base.
+    be saved with zero-size tensors. Only these are gathered, never the rest of the base.
     """
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    extra = {id(p) for p in also}
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad or id(p) in extra}
     partitioned = [p for p in params.values() if hasattr(p, "ds_id")]
     if partitioned:
         import deepspeed
@@ -294,25 +274,39 @@ def merge_adapter(base: str, adapter: str | Path, out: str | Path, *, dtype: tor
     Merging into 4-bit weights would round the update away, so the base is loaded in
     ``dtype`` (70B in bf16: ~140 GB of host RAM); a base saved in 4-bit (:func:`prequantized`) is loaded as
     it is and dequantized to ``dtype``, the weights the adapter trained against. Run it in a single process,
-    outside ZeRO-3 (the process's DeepSpeed config is unset first). The result loads with plain
-    ``AutoModelForSequenceClassification``; ``labels`` (class id -> name) go into its config, so a
+    outside ZeRO-3 (the process's DeepSpeed config is unset first). The adapter's task (adapter_config.json) picks
+    the model: a causal LM's result loads with plain ``AutoModelForCausalLM`` and keeps the adapter folder's chat
+    template and generation config (its vocabulary resized to the tokenizer's, if the run added a pad token); a
+    classifier's with plain ``AutoModelForSequenceClassification``, ``labels`` (class id -> name) in its config, so a
     pipeline or a server names its predictions.
     """
+    import json
+    import shutil
+
     from peft import PeftModel
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain load, not a partitioned one
 
+    adapter = Path(adapter)
+    causal = json.loads((adapter / "adapter_config.json").read_text()).get("task_type") == "CAUSAL_LM"
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
-    net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
+    if causal:
+        net = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    else:
+        net = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2, dtype=dtype)
     if prequantized(net.config):
         net = forget_4bit_loading(net.dequantize(dtype=dtype))  # plain Linear layers in dtype
+    if causal and len(tokenizer) > net.get_input_embeddings().num_embeddings:
+        net.resize_token_embeddings(len(tokenizer))  # the adapter holds the resized rows the run trained with
     net.config.pad_token_id = tokenizer.pad_token_id
-    if labels:
+    if labels and not causal:
         net.config.id2label, net.config.label2id = dict(labels), {name: i for i, name in labels.items()}
     merged = PeftModel.from_pretrained(net, str(adapter)).merge_and_unload()
     with written_whole(Path(out)) as folder:
         merged.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
+        if (adapter / "generation_config.json").is_file():  # stops at the chat template's end of turn
+            shutil.copy2(adapter / "generation_config.json", Path(folder) / "generation_config.json")
     return Path(out)

@@ -14,8 +14,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 _LAZY = {
-    **dict.fromkeys(("ModelArguments", "InstructionData", "Samples", "Kernels", "LongContext", "LoopArguments",
-                     "flag", "parse"),
+    **dict.fromkeys(("ModelArguments", "InstructionData", "Adapters", "Samples", "Kernels", "LongContext",
+                     "LoopArguments", "flag", "parse"),
                     "finetune_kit.training.arguments"),
     **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.input_checks"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
@@ -24,7 +24,8 @@ _LAZY = {
     "StopSignal": "finetune_kit.training.stop",
     **dict.fromkeys(("DataSplit", "step_meter", "validation", "finish", "stopped", "batch_shape"),
                     "finetune_kit.training.records"),
-    **dict.fromkeys(("save_consolidated", "save_adapter", "save_trainer_model"), "finetune_kit.training.final_model"),
+    **dict.fromkeys(("save_trained", "save_consolidated", "save_adapter", "save_merged",
+                     "save_trainer_model"), "finetune_kit.training.final_model"),
     "evaluate_loss": "finetune_kit.training.evaluation",
     **dict.fromkeys(("sample_prompts", "answers_before", "sample_answers"), "finetune_kit.training.samples"),
     **dict.fromkeys(("sequence_groups", "shard_sequences", "shard_loader", "use_sequence_parallel"),
@@ -36,6 +37,7 @@ __all__ = list(_LAZY)
 if TYPE_CHECKING:  # the same names for editors, type checkers and import tracers; at run time they load on first use
     from finetune_kit.output_lock import hold_output
     from finetune_kit.training.arguments import (
+        Adapters,
         InstructionData,
         Kernels,
         LongContext,
@@ -48,7 +50,13 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
     from finetune_kit.training.checkpointing.checkpointer import Checkpointer
     from finetune_kit.training.engine import max_grad_norm, optimizer_and_schedule, start
     from finetune_kit.training.evaluation import evaluate_loss
-    from finetune_kit.training.final_model import save_adapter, save_consolidated, save_trainer_model
+    from finetune_kit.training.final_model import (
+        save_adapter,
+        save_consolidated,
+        save_merged,
+        save_trained,
+        save_trainer_model,
+    )
     from finetune_kit.training.input_checks import for_accelerate, for_trainer
     from finetune_kit.training.loop import Position, Schedule, Step, steps
     from finetune_kit.training.records import DataSplit, batch_shape, finish, step_meter, stopped, validation

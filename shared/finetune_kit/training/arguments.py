@@ -61,6 +61,32 @@ class InstructionData:
 
 
 @dataclass
+class Adapters:
+    """Which weights train: every one, or LoRA adapters (peft) over the frozen base in 16-bit or 4-bit
+    (bitsandbytes); decided once before launch as a :class:`finetune_kit.models.adapters.Tuning`."""
+
+    peft: str = flag("none", "none: every weight trains; lora: LoRA adapters over the frozen 16-bit base (2 bytes "
+                             "per frozen parameter); qlora: over the base quantized to 4 bits as it loads (about "
+                             "0.56 bytes per frozen parameter)", choices=("none", "lora", "qlora"))
+    lora_rank: int = flag(16, "adapter rank r: its parameters, gradients and Adam states grow linearly with it")
+    lora_alpha: float = flag(32.0, "the adapter's update is scaled by alpha / r")
+    lora_dropout: float = flag(0.05, "dropout on the adapters' input, in [0, 1)")
+    lora_targets: str = flag("all-linear", "'all-linear' (every linear layer of the decoder; not the head) or "
+                                           "comma-separated module names, e.g. q_proj,v_proj")
+    dora: bool = flag(False, "weight-decomposed LoRA (peft's use_dora): a trained magnitude per output too; slower "
+                             "steps, often closer to a full fine-tune at a low rank")
+    quant_type: str = flag("nf4", "qlora: the 4-bit code (nf4: normal-float, fits normally distributed weights)",
+                           choices=("nf4", "fp4"))
+    double_quant: bool = flag(True, "qlora: quantize the quantization constants too (about 0.4 bit per parameter "
+                                    "less; --no-double-quant keeps them fp32)")
+    quant_storage: str = flag("bfloat16", "qlora: the dtype the packed 4-bit weights are stored as; under ZeRO-3 the "
+                                          "model's dtype, so they are sharded with the other parameters",
+                              choices=("bfloat16", "float16", "float32"))
+    merge: bool = flag(False, "with adapters: also write merged/, the adapter folded into the base loaded in 16-bit "
+                              "(rank 0; 2 bytes per parameter of host RAM)")
+
+
+@dataclass
 class Samples:
     """What the model answers at the end of a generative run (training.samples)."""
 

@@ -52,9 +52,12 @@ def start(checked, args, *, rendezvous_timeout: float = 300.0):
 def optimizer_and_schedule(params, checked, args, total_steps: int):
     """The optimizer the DeepSpeed JSON names ("auto" values filled from --lr and --weight-decay) and a
     cosine schedule with linear warm-up over ``total_steps`` optimizer steps. Under FSDP2: torch's AdamW
-    with the shipped ZeRO configs' betas and eps (``fsdp.ADAMW``)."""
+    with the shipped ZeRO configs' betas and eps (``fsdp.ADAMW``). Of ``params`` it updates those that train (an
+    adapter's, over a frozen base)."""
     import torch
     from accelerate.utils import DummyOptim, DummyScheduler
+
+    params = [p for p in params if p.requires_grad]
 
     warmup = math.ceil(args.warmup_ratio * total_steps)
 

@@ -7,8 +7,8 @@ previous copy in place). Every rank calls; one writes.
                         with plain ``AutoModelForCausalLM.from_pretrained``; the tokenizer carries the
                         chat template the run trained with and ``generation_config.json`` stops at its
                         end of turn, so plain ``generate`` ends an answer where training taught it to
-    <output>/adapter/   LoRA adapter + classification head + tokenizer (QLoRA), loadable with
-                        ``PeftModel.from_pretrained(base, adapter)``
+    <output>/adapter/   LoRA adapter (+ the classification head, or a resized vocabulary's embeddings) + tokenizer
+                        (``--peft lora|qlora``), loadable with ``PeftModel.from_pretrained(base, adapter)``
 """
 
 from __future__ import annotations
@@ -75,18 +75,48 @@ def chat_ready(folder: Path, tokenizer, template) -> None:
     config.save_pretrained(folder)
 
 
-def save_adapter(accelerator, model, tokenizer, out: Path) -> Path:
-    """Write the LoRA adapter and the head (``adapter_model.safetensors``) plus tokenizer.
+def save_trained(accelerator, model, tokenizer, checked, template=None) -> Path:
+    """What the run trained, by its method (``checked.tuning``): ``adapter/`` for adapters (``--peft lora|qlora``),
+    else the consolidated ``model/``. All ranks must call."""
+    if checked.tuning.adapted:
+        return save_adapter(accelerator, model, tokenizer, checked.output / "adapter", template,
+                            base_vocab=checked.model_config.vocab_size)
+    return save_consolidated(accelerator, model, tokenizer, checked.output / "model", template)
 
-    Loadable with ``PeftModel.from_pretrained(base, out)``. All ranks must call; rank 0 writes.
+
+def save_adapter(accelerator, model, tokenizer, out: Path, template=None, *, base_vocab: int | None = None) -> Path:
+    """Write the LoRA adapter and the head, if any (``adapter_model.safetensors``), plus tokenizer.
+
+    Loadable with ``PeftModel.from_pretrained(base, out)``. All ranks must call; rank 0 writes. A vocabulary grown
+    past the base's ``base_vocab`` (a pad token added) saves its embeddings and head with the adapter, which then
+    loads over the base resized to the tokenizer. ``template``: a causal LM's chat template (:func:`chat_ready`).
     """
-    state = qlora.trainable_state_dict(accelerator.unwrap_model(model))
+    unwrapped = accelerator.unwrap_model(model)
+    embeddings = unwrapped.get_input_embeddings()
+    resized = (embeddings.weight, unwrapped.get_output_embeddings().weight) \
+        if base_vocab is not None and embeddings.num_embeddings > base_vocab else ()
+    state = qlora.trainable_state_dict(unwrapped, also=resized)
     if accelerator.is_main_process:
         empty = [name for name, t in state.items() if t.numel() == 0]
         if empty:
             raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
         with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
-            accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state, safe_serialization=True)
+            unwrapped.save_pretrained(folder, state_dict=state, safe_serialization=True,
+                                      save_embedding_layers=bool(resized))
             tokenizer.save_pretrained(folder)
+            if template is not None:
+                chat_ready(folder, tokenizer, template)
     accelerator.wait_for_everyone()
     return Path(out)
+
+
+def save_merged(checked, adapter: Path, *, dtype: str = "bfloat16", labels: dict[int, str] | None = None) -> Path:
+    """``merged/``: the run's adapter folded into its base loaded in ``dtype`` (:func:`qlora.merge_adapter`), and
+    the model cards written again to name it. One process (rank 0), after the run has left ZeRO-3."""
+    from finetune_kit import model_card
+
+    merged = qlora.merge_adapter(checked.script_args["model"], adapter, checked.output / "merged",
+                                 dtype=qlora.parse_dtype(dtype, "--dtype"), labels=labels)
+    print(f"merged model saved to {merged}; model card: {model_card.write(checked.output)[-1]}")
+    return merged
+

@@ -24,9 +24,9 @@ from finetune_kit import output_lock, outputs
 from finetune_kit.errors import ConfigError, DataError
 from finetune_kit.launch import config_checks, cuda_allocator, cuda_ops, env, fsdp, memory_cap, nvme
 from finetune_kit.metering import prometheus, trackers
-from finetune_kit.models import fp8, tiled_mlp
+from finetune_kit.models import adapters, fp8, tiled_mlp
 from finetune_kit.models import loading as models
-from finetune_kit.models.shapes import Adapter, ModelShape, from_config
+from finetune_kit.models.shapes import ModelShape, from_config
 from finetune_kit.planning import verdict
 from finetune_kit.training import launch_plan, sequence_parallel
 from finetune_kit.training.checkpointing import checkpoints, resharding
@@ -58,6 +58,7 @@ class CheckedLaunch:
     script_args: dict  # what configures the run, for the record's config hash
     method: str = "full"  # "full" | "lora" | "qlora": picks the FLOP formula and labels the record
     num_labels: int | None = None  # a classification head instead of the LM head
+    tuning: adapters.Tuning = adapters.FULL  # what trains (--peft): every weight, or adapters over a frozen base
     data_ranks: int = 1  # ranks that read different sequences (the world over --sequence-parallel): what the global
     #                      batch, the schedule and a checkpoint's data position count in
 
@@ -65,6 +66,12 @@ class CheckedLaunch:
     def engine(self) -> str:
         """``"deepspeed"`` or ``"fsdp2"``: what shards the model in this run."""
         return "deepspeed" if self.fsdp is None else fsdp.ENGINE
+
+    @property
+    def quantization(self):
+        """The ``BitsAndBytesConfig`` the base is quantized with as it loads (``--peft qlora`` over a 16-bit folder),
+        else None (:meth:`~finetune_kit.models.adapters.Tuning.quantization`)."""
+        return self.tuning.quantization(self.model_config)
 
     @property
     def zero_stage(self) -> int:
@@ -76,17 +83,20 @@ class CheckedLaunch:
         return bool(saved) and saved != env.world_size()
 
 
-def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: str, method: str = "full",
-                   num_labels: int | None = None, adapter: Adapter | None = None,
+def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: str,
+                   tuning: adapters.Tuning = adapters.FULL, num_labels: int | None = None,
                    resume_must_match: dict | None = None) -> CheckedLaunch:
     """The checks of a recipe whose ``args`` carry the flags of ``training.arguments``' families.
-    ``launch``/``configs``: the launch command and the configs to suggest; ``resume_must_match``: the
-    recipe's settings a checkpoint must have been saved with (besides the architecture and method)."""
+    ``launch``/``configs``: the launch command and the configs to suggest; ``tuning``: what trains, as
+    :func:`finetune_kit.models.adapters.decide` decided it (held here against the model); ``resume_must_match``: the
+    recipe's settings a checkpoint must have been saved with (besides the architecture, method and adapters)."""
     if getattr(args, "data", "") is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     if (allocator := cuda_allocator.use_expandable_segments(args)) and env.is_main_rank():  # before CUDA starts
         print(allocator, file=sys.stderr)
     model_config, shape = _model(args.model, args.max_seq_len, causal=num_labels is None)
+    adapters.check_model(tuning, model_config, model=args.model, causal=num_labels is None)
+    method, adapter = tuning.method, tuning.plan()
     if adapter is not None and adapter.quantized:
         from finetune_kit.models.qlora import as_saved
 
@@ -103,7 +113,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
                           f"(no gain). Compile with FSDP2 ({FSDP_CONFIG}), or drop --compile.")
     if fsdp_launch is not None:  # the same full sharding as ZeRO-3, by PyTorch
         if method != "full" or zero_stage != 3:
-            raise ConfigError(f"{recipe} runs under DeepSpeed ZeRO-{zero_stage}; FSDP2 launch configs are "
+            adapted = f" with adapters (--peft {tuning.peft})" if tuning.adapted else ""
+            raise ConfigError(f"{recipe} runs under DeepSpeed ZeRO-{zero_stage}{adapted}; FSDP2 launch configs are "
                               f"supported for full fine-tuning with ZeRO-3's sharding. Launch with {launch}.")
         fsdp.check_settings(fsdp_launch, model_config=model_config, gradient_checkpointing=args.gradient_checkpointing)
         ds_path, ds_config = None, {}
@@ -151,7 +162,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
     if getattr(args, "tiled_mlp", False):
         tiled_mlp.check(model_config)
     identity = {"architecture": architecture(model_config, shape), "method": method, "num_labels": num_labels,
-                "engine": fsdp.ENGINE if fsdp_launch else "deepspeed", **(resume_must_match or {})}
+                "engine": fsdp.ENGINE if fsdp_launch else "deepspeed",
+                **({"adapters": tuning.describe()} if tuning.adapted else {}), **(resume_must_match or {})}
 
     def check_resume(checkpoint: Path) -> None:
         checkpoints.check_same_run(checkpoint, identity)
@@ -166,7 +178,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
-        script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
+        tuning=tuning, script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
 def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> CheckedLaunch:
@@ -234,7 +246,8 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
-            num_labels: int | None = None, data_ranks: int | None = None) -> CheckedLaunch:
+            num_labels: int | None = None, data_ranks: int | None = None,
+            tuning: adapters.Tuning = adapters.FULL) -> CheckedLaunch:
     """The checks both front ends share, in order: memory (against the GPU's free memory, at most ``cap``), the
     model's tokenizer files, engine needs, metrics, output, resume, disk. ``decided``: the launch plan's fields
     that ``memory_kwargs`` does not hold (:class:`~finetune_kit.training.launch_plan.LaunchPlan`)."""
@@ -266,7 +279,7 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         if problem:
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
     return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, decision, resume_from,
-                         identity, estimate, script_args, method=method, num_labels=num_labels,
+                         identity, estimate, script_args, method=method, num_labels=num_labels, tuning=tuning,
                          data_ranks=env.world_size() if data_ranks is None else data_ranks)
 
 

@@ -149,7 +149,8 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             eval_example_ids=split.eval_example_ids, seq_len=args.max_seq_len,
             micro_batch_size=batch["micro_batch_size"], grad_accum=batch["grad_accum"],
             saved_to=str(saved_to or ""), peak_memory=peak_memory.peaks(),
-            memory_plan=checked.plan.memory.to_dict(), ranks=ranks, details=details or {},
+            memory_plan=checked.plan.memory.to_dict(), ranks=ranks,
+            details={**({"lora": checked.tuning.record()} if checked.tuning.adapted else {}), **(details or {})},
             settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
                       for k, v in checked.script_args.items()},
             finished_at=record.now(),

@@ -1,10 +1,11 @@
-"""The merged export of a QLoRA run: ``python -m finetune_tools.merge RUN`` (``make merge RUN=...``).
+"""The merged export of an adapter run: ``python -m finetune_tools.merge RUN`` (``make merge RUN=...``).
 
-The adapter of ``RUN/adapter`` trained against a 4-bit base; merging it into the 4-bit weights would round the
-update away, so the base is loaded in 16-bit (``--dtype``; 70B in bf16: about 140 GB of host RAM, no GPU) and
-the adapter merged into it (:func:`finetune_kit.models.qlora.merge_adapter`). ``RUN/merged`` then loads with
-plain ``AutoModelForSequenceClassification`` and serves like any model of its architecture (vLLM included); its
-model card says so. The same as the recipe's ``--merge``, for a run that finished without it.
+The adapter of ``RUN/adapter`` (``--peft lora`` or ``qlora``) trained against a frozen base; merging it into 4-bit
+weights would round the update away, so the base is loaded in 16-bit (``--dtype``; 70B in bf16: about 140 GB of
+host RAM, no GPU) and the adapter merged into it (:func:`finetune_kit.models.qlora.merge_adapter`). ``RUN/merged``
+then loads with plain ``AutoModelForCausalLM`` (a chat run: with its chat template and end of turn) or
+``AutoModelForSequenceClassification`` (the review classifier) and serves like any model of its architecture (vLLM
+included); its model card says so. The same as the recipe's ``--merge``, for a run that finished without it.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
 def check(run: Path, base: str | None) -> tuple[Path, str]:
     """The run folder and the base model, or UserInputError naming what is missing and what to pass."""
     if not (run / "adapter/adapter_config.json").is_file():
-        raise UserInputError(f"'{run}' holds no adapter/adapter_config.json: merging needs the adapter a QLoRA run "
-                             "saved. Pass the --output folder of a finished llama3-70b-qlora run.")
+        raise UserInputError(f"'{run}' holds no adapter/adapter_config.json: merging needs the adapter a run with "
+                             "--peft lora or qlora saved. Pass the --output folder of such a finished run.")
     if base is None:
         info = run / "run_info.json"
         if not info.is_file():

@@ -7,7 +7,6 @@ import torch
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.models import qlora
-from finetune_kit.models.shapes import Adapter
 from tests.harness import REPO, load_script
 
 RECIPE_4BIT = qlora.bnb_config(torch.bfloat16, torch.bfloat16)  # what the 70B recipe quantizes with (checked below)
@@ -36,24 +35,15 @@ def test_parse_dtype_names_the_flag_and_the_choices():
         qlora.parse_dtype("bf16", "--quant-storage")
 
 
-def test_zero3_needs_quant_storage_equal_to_dtype():
-    qlora.check_zero3_settings(dtype="bfloat16", quant_storage="bfloat16", device_map=None)
-    qlora.check_zero3_settings(dtype="float16", quant_storage="float16", device_map="")
-    with pytest.raises(ConfigError, match=r"--quant-storage float32 differs .* --dtype bfloat16.*"
-                                          r"Pass --quant-storage bfloat16\."):
-        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="float32", device_map=None)
-
-
 def test_zero3_refuses_a_device_map():
+    qlora.check_zero3_settings(dtype="float16", device_map="")
     with pytest.raises(ConfigError, match=r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"):
-        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="bfloat16", device_map="auto")
+        qlora.check_zero3_settings(dtype="bfloat16", device_map="auto")
 
 
-def test_zero3_settings_check_the_dtype_names_first():
+def test_zero3_settings_check_the_dtype_name():
     with pytest.raises(ConfigError, match=r"--dtype 'fp32' is not a supported dtype"):
-        qlora.check_zero3_settings(dtype="fp32", quant_storage="fp32", device_map=None)
-    with pytest.raises(ConfigError, match=r"--quant-storage 'uint8' is not a supported dtype"):
-        qlora.check_zero3_settings(dtype="bfloat16", quant_storage="uint8", device_map=None)
+        qlora.check_zero3_settings(dtype="fp32", device_map=None)
 
 
 SAVED_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
@@ -71,9 +61,13 @@ def test_a_4bit_folder_of_the_recipes_settings_is_taken_with_them():
 
 
 def test_the_recipe_asks_for_the_settings_the_tools_build_it_with():
-    """train.py writes its BitsAndBytesConfig out; qlora.bnb_config (the tiny 4-bit folder, these tests) is the same."""
+    """The 70B's defaults, decided (models.adapters), quantize as qlora.bnb_config (the tiny 4-bit folder, these
+    tests) does."""
+    from finetune_kit.models import adapters
+
     recipe = load_script(REPO / "recipes/llama3-70b-qlora/train.py")
-    asked = recipe.quantization(recipe.parse_args(["--data", "x.csv"]))
+    args = recipe.parse_args(["--data", "x.csv"])
+    asked = adapters.decide(args, recipe=recipe.RECIPE, dtype=args.dtype, allowed=("lora", "qlora")).quantization()
     assert asked.to_dict() == RECIPE_4BIT.to_dict()
 
 
@@ -134,32 +128,18 @@ def test_the_4bit_loading_forget_4bit_loading_removes_is_where_it_was_written_fo
     assert (tmp_path / "with/config.json").is_file()
 
 
-def test_targets_and_adapter_plan():
-    assert qlora.parse_targets("all-linear") == "all-linear"
-    assert qlora.parse_targets("q_proj,v_proj") == ["q_proj", "v_proj"]
-    assert qlora.adapter_plan(16, "all-linear") == Adapter(rank=16, targets="all-linear", quantized=True)
-    no_double = qlora.bnb_config(torch.bfloat16, torch.bfloat16)
-    no_double.bnb_4bit_use_double_quant = False
-    assert not qlora.adapter_plan(16, "all-linear", no_double).double_quant
-
-
 def test_the_planner_takes_a_4bit_folders_own_double_quantization():
     """The checks plan a folder saved in 4-bit with the constants it stores (qlora.as_saved, in for_accelerate):
     without double quantization they take 0.047 more bytes a weight (0.37 bit), which the plan then counts."""
+    from finetune_kit.models import adapters
     from finetune_kit.planning.model_states import nf4_bytes_per_param
 
-    planned = qlora.adapter_plan(16, "all-linear", RECIPE_4BIT)
+    planned = adapters.Tuning(peft="qlora").plan()
     assert planned.double_quant
     assert not qlora.as_saved(planned, saved(bnb_4bit_use_double_quant=False)).double_quant
     assert qlora.as_saved(planned, saved()) == planned  # the recipe's own settings
     assert qlora.as_saved(planned, SimpleNamespace()) == planned  # a 16-bit folder: quantized as the recipe asks
     assert nf4_bytes_per_param(False) - nf4_bytes_per_param(True) == pytest.approx(0.0466, abs=1e-4)
-    plan = qlora.adapter_plan(8, ["q_proj", "v_proj"])
-    assert plan.targets == ("q_proj", "v_proj") and plan.rank == 8 and plan.quantized  # hashable for the planner
-
-
-def test_targets_with_spaces_after_commas():
-    assert qlora.parse_targets("q_proj, v_proj") == ["q_proj", "v_proj"]
 
 
 def test_bnb_config_is_double_quantised_nf4():
@@ -306,4 +286,4 @@ def test_lora_target_matching_no_layer_is_refused(tiny_llama3):
     """PEFT adapts q_proj and silently skips a misspelt name next to it; the recipe stops instead."""
     base = qlora.load_quantized_classifier(str(tiny_llama3), RECIPE_4BIT, pad_token_id=0)
     with pytest.raises(ConfigError, match=r"--lora-targets names \['vproj'\], which match no layer"):
-        qlora.add_lora(base, lora(4, 8, qlora.parse_targets("q_proj, vproj")), gradient_checkpointing=False)
+        qlora.add_lora(base, lora(4, 8, ["q_proj", "vproj"]), gradient_checkpointing=False)
