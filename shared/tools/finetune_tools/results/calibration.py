@@ -24,7 +24,7 @@ from finetune_tools.planning.fp8_speed import fp8_cost
 from finetune_tools.planning.gpu_records import job_of, plain
 from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors, predict_observation
 from finetune_tools.results import fp8_pairs
-from finetune_tools.results.adapter_memory import TORCHTUNE_8B_LORA, TORCHTUNE_8B_QLORA
+from finetune_tools.results.adapter_memory import TORCHTUNE_8B_LORA, TORCHTUNE_8B_QLORA, TORCHTUNE_70B_LORA
 
 # What each published row's source does not state, assumed (job fields) and why.
 ASSUMED = {
@@ -40,8 +40,9 @@ ASSUMED = {
     "answerai-fsdp-qlora-llama2-70b": ({"engine": "fsdp2", "micro_batch": 8,
                                         "adapter": Adapter(rank=64, targets="all-linear", quantized=True)},
                                        "micro-batch and LoRA rank not stated: 8 and 64 assumed"),
-    "torchtune-llama3.1-70b-lora": ({"engine": "fsdp2", "micro_batch": 2, "adapter": Adapter(rank=16)},
-                                    "A100 80 GB, LoRA rank 16 on all linear layers and checkpointing assumed"),
+    "torchtune-llama3.1-70b-lora": ({"engine": "fsdp2", "micro_batch": 2, "adapter": TORCHTUNE_70B_LORA},
+                                    "A100 80 GB assumed; LoRA rank 16 on q_proj, k_proj and v_proj and checkpointing "
+                                    "as its config (llama3_1/70B_lora.yaml at the table's commit)"),
     "torchtune-llama3.1-70b-full-offload": ({"engine": "fsdp2", "micro_batch": 2, "offload_optimizer": True},
                                             "A100 80 GB and checkpointing assumed; the optimizer fused into the "
                                             "backward is modelled as CPU Adam after it"),
@@ -64,7 +65,8 @@ _TORCHTUNE = ({"engine": "fsdp2", "micro_batch": 4, "grad_accum": 8, "compiled":
 _ULYSSES = ({"stage": 3, "offload_optimizer": True, "micro_batch": 1, "grad_accum": 8},
             "micro-batch 1 (a global batch of 8 micro-batches) and bf16 assumed")
 # torchtune's single-GPU LoRA and QLoRA (its README's table: batch 2 packed to 2,048 tokens, no accumulation, compiled;
-# the configs at the table's commit: checkpointing, the loss in 8 chunks).
+# the configs at the table's commit: checkpointing, the loss in 8 chunks), with a frozen base: 4N_frozen +
+# 6N_trainable + 12LHQT model FLOPs, the frozen weights' backward without their weight gradient.
 _TORCHTUNE_1GPU = {"stage": 0, "engine": "torch", "micro_batch": 2, "grad_accum": 1, "compiled": True,
                    "loss_kernel": "chunked"}
 _TORCHTUNE_1GPU_WHY = "one GPU, nothing to communicate; LoRA rank 8 on q_proj and v_proj as its config"

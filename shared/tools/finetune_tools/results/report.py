@@ -329,9 +329,11 @@ def render(results: Path) -> tuple[str, list[Row]]:
         HEADER, "", "# Results", "",
         "Published fine-tuning throughput next to what the recipes measured, with per-GPU tokens/s and",
         "MFU computed the same way for both. Model FLOPs per real (non-padding) token:",
-        "`6N + 12·L·H·Q·T` for full fine-tuning, `4N + 6N_trainable + 12·L·H·Q·T` with a frozen base",
-        "(LoRA/QLoRA); N counts every weight that multiplies a token (all but the input embedding),",
-        "L layers, H heads, Q head dimension, T sequence length. MFU is against the dense bf16 peak",
+        "`6N + 12·L·H·Q·T` for full fine-tuning, `4N_frozen + 6N_trainable + 12·L·H·Q·T` with a frozen base",
+        "(LoRA/QLoRA: a frozen weight's backward needs no weight gradient, 2 FLOPs a parameter fewer); N counts every",
+        "weight that multiplies a token (all but the input embedding), N_frozen those of a frozen base, N_trainable",
+        "the adapter's (and a classification head that trains), L layers, H heads, Q head dimension, T sequence",
+        "length. MFU is against the dense bf16 peak",
         "(A100 312, H100 SXM 989, H200 989 TFLOP/s). Source: `shared/finetune_kit/metering/flops.py`.", "",
         "![tokens/s per GPU and MFU, published and measured](throughput.png)", "",
         "## Published", "", *pub_lines, "",
@@ -375,7 +377,8 @@ def render(results: Path) -> tuple[str, list[Row]]:
         "half of 12LHQT, the recomputed layers' forward, the chunked loss's second head forward -- at a fitted share "
         "of the bf16 peak, compiled layers at a factor fitted on a compiled/eager pair, the collectives of the "
         "engine over the slowest link, a fitted time per optimizer step, and under CPU offload "
-        "the gradients to host memory after every micro-batch and CPU Adam on the host's cores) "
+        "the gradients to host memory after every micro-batch and CPU Adam on the host's cores; a frozen base, LoRA "
+        "or QLoRA, at 4N_frozen + 6N_trainable + 12LHQT model FLOPs and its own fitted share of the peak) "
         "predicts each run from the constants fitted on all the other runs (leave one out): the error is a "
         "held-out error. Published rows use their sources' setups, with what a source leaves out assumed as "
         "the last column says (`shared/tools/finetune_tools/results/calibration.py`). The rows marked \"held out: "
