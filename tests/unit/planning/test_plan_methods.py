@@ -140,3 +140,23 @@ def test_make_plan_passes_peft_and_plans_the_70b_recipes_own_model():
     assert "--model llama3.1-8b" in make_plan("RECIPE=llama3-8b-zero3", "GPU=h100", "MODEL=llama3.1-8b")
     help_line = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("plan: ##"))
     assert "PEFT=none|lora|qlora" in help_line
+
+
+@pytest.mark.parametrize("recipe, methods", [(RECIPE_8B, ("none", "lora", "qlora")), (RECIPE_70B, ("lora", "qlora"))],
+                         ids=["8b", "70b"])
+def test_the_method_table_is_what_make_plan_prints_for_each_method(capsys, recipe, methods):
+    """The README's Method table (recipe_tables.method_table): one row per --peft value the recipe takes (the 70B
+    recipe does not fine-tune every weight), labelled predicted, each cell the total that make plan RECIPE=...
+    PEFT=... GPU=h100 GPUS=1 (or 8) prints."""
+    table = recipe_tables.method_table(recipe)
+    assert table.startswith("Predicted by the memory planner, not measured")
+    rows = [line for line in table.splitlines() if line.startswith("| `--peft")]
+    assert [row.split("`")[1] for row in rows] == [f"--peft {m}" for m in methods]
+    for row, method in zip(rows, methods, strict=True):
+        for gpus, cell in zip((1, 8), row.split(" | ")[-2:], strict=True):
+            out = planned(capsys, "--recipe", str(recipe), "--peft", method, "--gpu", "h100", "--gpus-per-node",
+                          str(gpus))
+            total = re.search(r"^total +([\d.]+) of 80", out, re.M)[1]
+            assert cell.startswith(f"**{total}**, ") and ("does not fit" in cell) == ("does not fit" in out)
+    default = recipe_tables.method_of(recipe_tables.recipe_adapter(recipe))
+    assert sum("(default)" in row for row in rows) == 1 and f"`--peft {default}` (default)" in table

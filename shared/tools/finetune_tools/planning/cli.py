@@ -61,10 +61,10 @@ from finetune_tools.planning.long_context import alst_levers, longest_context
 from finetune_tools.planning.recipe_tables import (
     PEFT,
     adapter_for,
+    first_setup,
     gib,
     recipe_adapter,
     recipe_plans,
-    recipe_setups,
 )
 from finetune_tools.tables import text_table
 
@@ -419,11 +419,10 @@ def main(argv=None) -> int:
         raise UserInputError(f"--fp8 {args.fp8} predicts a speed: it needs --gpu ({', '.join(GPUS)}).")
     adapter = recipe_adapter(args.recipe, peft_of(args), args.lora_rank, args.lora_targets) if args.recipe else None
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
-        shape, setups = recipe_setups(args.recipe, adapter=adapter)
-        entry, first = setups[0]
-        s = replace(first, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
-                    sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp or first.tiled_mlp)
+        entry, shape, s = first_setup(args.recipe, adapter, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                      gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
+                                      sequence_parallel=args.sequence_parallel)
+        s = replace(s, tiled_mlp=args.tiled_mlp or s.tiled_mlp)
         model = args.model or shape
         if args.seq_len == MAX_SEQ:
             print(f"== {args.recipe.name} ({entry['config']})\n{render_longest(model, s, args)}")

@@ -4,6 +4,7 @@ one asked (``--peft none|lora|qlora``, the recipes' flag), and the README tables
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
@@ -129,6 +130,15 @@ def recipe_setups(recipe_dir: Path, key: str = "setups", adapter=RECIPES_OWN
     return resolve_model(model), out
 
 
+def first_setup(recipe_dir: Path, adapter=RECIPES_OWN, **hardware) -> tuple[dict, ModelShape, Setup]:
+    """The recipe's first memory setup (its main launch config at memory_plan.json's defaults), with ``adapter`` (as
+    :func:`recipe_setups`), moved to ``hardware`` (Setup fields: nodes, gpus_per_node, gpu_memory_GiB, ...): what
+    ``make plan RECIPE=... GPU=...`` plans."""
+    shape, setups = recipe_setups(recipe_dir, adapter=adapter)
+    entry, setup = setups[0]
+    return entry, shape, replace(setup, **hardware)
+
+
 def recipe_plans(recipe_dir: Path, adapter=RECIPES_OWN) -> list[tuple[dict, Plan]]:
     """Each setup of the recipe's memory table with its plan (``adapter``: as :func:`recipe_setups`)."""
     shape, setups = recipe_setups(recipe_dir, adapter=adapter)
@@ -232,3 +242,43 @@ def speed_table(recipe_dir: Path, calibration: Path | None = None) -> str:
     header = ["setup", "config", "tokens/s per GPU (range)", "tokens/s, all GPUs", "dominant term",
               "hours per 100 M tokens", "GPU-hours per 100 M tokens"]
     return note + "\n\n" + markdown_table(header, rows)
+
+
+METHOD_GPU, METHOD_GPUS = "h100", (1, 8)  # the Method table's GPU profile and its GPU counts (one node)
+
+
+def what_trains(adapter: Adapter | None, num_labels: int | None = None) -> str:
+    """What trains, in words: every weight, or the adapter (and a classification head) over the frozen base."""
+    if adapter is None:
+        return "full fine-tune: every weight"
+    targets = "every linear layer" if adapter.targets == "all-linear" else ", ".join(adapter.targets)
+    base = "nf4 base (double quantization)" if adapter.quantized else "bf16 base"
+    head = f" and the {num_labels}-label head" if num_labels else ""
+    return f"{'QLoRA' if adapter.quantized else 'LoRA'} r{adapter.rank} on {targets}{head}, frozen {base}"
+
+
+def method_table(recipe_dir: Path) -> str:
+    """The README's Method table: each method the recipe takes (``--peft``) at its defaults, the predicted GiB per GPU
+    on one and on eight H100 80 GB under its main launch config (:func:`first_setup`, as make plan plans it)."""
+    from finetune_kit.planning.hardware import gpu_profile
+
+    spec, gpu = read_spec(recipe_dir), gpu_profile(METHOD_GPU)
+    own = Adapter(**spec["adapter"]) if spec.get("adapter") else None
+    rows, config = [], None
+    for method in recipe_methods(spec)[1]:
+        adapter = adapter_for(method, default=own, where=recipe_dir.name)
+        cells = []
+        for gpus in METHOD_GPUS:
+            entry, shape, setup = first_setup(recipe_dir, adapter, nodes=1, gpus_per_node=gpus,
+                                              gpu_memory_GiB=gpu.memory_GiB, host_memory_GiB=None)
+            p, config = plan(shape, setup), entry["config"]
+            cells.append(f"**{gib(p.gpu_bytes)}**, {'fits' if p.fits else 'does not fit'}")
+        rows.append([f"`--peft {method}`" + (" (default)" if adapter == own else ""),
+                     what_trains(adapter, spec.get("num_labels")),
+                     f"{p.trainable_params / 1e9:.3f} B", *cells])
+    caption = (f"Predicted by the memory planner, not measured: GiB per GPU at the recipe's defaults (micro-batch "
+               f"{setup.micro_batch} x {setup.seq_len:,} tokens, `{config}`), `make plan RECIPE={recipe_dir.name} "
+               f"PEFT=... GPU={METHOD_GPU} GPUS=1` (or `8`).")
+    header = ["method", "what trains", "trainable parameters",
+              *[f"predicted GiB per GPU, {n} x {gpu.name}" for n in METHOD_GPUS]]
+    return caption + "\n\n" + markdown_table(header, rows)
