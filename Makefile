@@ -225,12 +225,15 @@ PLAN := PYTHONPATH=$(CURDIR)/shared:$(TOOLS) $(PYTHON) -m finetune_tools.plannin
 
 # NODES is also the monitoring targets' host list (below): a number only when given on the command line.
 plan_nodes = $(if $(filter command line,$(origin NODES)),$(NODES),1)
+# MODEL defaults to the 8B recipe's hub id (for the train targets): the planner takes it only when given, so that
+# RECIPE=llama3-70b-qlora plans the recipe's own model.
+plan_model = $(if $(filter file,$(origin MODEL)),,$(MODEL))
 
-plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIPE=llama3-8b-zero3 [GPU= GPUS= NODES= NETWORK= TOKENS= DATA= MODEL= PRICE= SP= SEQ=max (longest context) FP8=tensorwise|rowwise (fp8 over bf16) BEST=1 (the settings ranked, the fastest that fits first; BEST=all: every one) HOST_CORES=]
-	$(PLAN) --recipe recipes/$(RECIPE) $(if $(GPU),--gpu $(GPU) --gpus-per-node $(or $(GPUS),8) --nodes $(plan_nodes) \
+plan: ## will it fit, and with GPU=h100: how fast, how long, at what cost: RECIPE=llama3-8b-zero3 [PEFT=none|lora|qlora (the method; default the recipe's) GPU= GPUS= NODES= NETWORK= TOKENS= DATA= MODEL= PRICE= SP= SEQ=max (longest context) FP8=tensorwise|rowwise (fp8 over bf16) BEST=1 (the settings ranked, the fastest that fits first; BEST=all: every one) HOST_CORES=]
+	$(PLAN) --recipe recipes/$(RECIPE) $(if $(PEFT),--peft $(PEFT)) $(if $(GPU),--gpu $(GPU) --gpus-per-node $(or $(GPUS),8) --nodes $(plan_nodes) \
 	  $(if $(NETWORK),--network $(NETWORK)) $(if $(TOKENS),--tokens $(TOKENS)) $(if $(DATA),--data $(DATA)) \
 	  $(if $(FP8),--fp8 $(FP8)) $(if $(filter 1 all,$(BEST)),--best) $(if $(filter all,$(BEST)),--best-all) $(if $(HOST_CORES),--host-cores $(HOST_CORES)) \
-	  $(if $(MODEL),--model $(MODEL)) $(if $(SP),--sequence-parallel $(SP)) $(if $(SEQ),--seq-len $(SEQ)) \
+	  $(if $(plan_model),--model $(plan_model)) $(if $(SP),--sequence-parallel $(SP)) $(if $(SEQ),--seq-len $(SEQ)) \
 	  $(if $(PRICE),--price $(PRICE)))
 
 # The generated blocks of recipes/*/README.md (memory tables, DeepSpeed knobs), from the files they name.

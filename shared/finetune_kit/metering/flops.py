@@ -15,6 +15,9 @@ Frozen base (LoRA / QLoRA): a frozen weight needs no weight gradient, so its bac
 
     flops/token = 4 * N_frozen + 6 * N_trainable + 12 * L * H * Q * T
 
+N_frozen: the base's weights that multiply every token (N above, less a classification head that trains);
+N_trainable: the adapter's weights (LoRA's A and B), plus that head.
+
 These are *model* FLOPs: recomputation from activation checkpointing and 4-bit dequantisation
 are not counted, so MFU compares runs by useful work only. Only real (non-padding) tokens are
 counted; T is the padded length the attention actually ran at.
@@ -50,7 +53,7 @@ class FlopCounter:
 
     @property
     def method(self) -> str:
-        return "full: 6N + 12LHQT" if self.trainable is None else "frozen base: 4N + 6N_trainable + 12LHQT"
+        return "full: 6N + 12LHQT" if self.trainable is None else "frozen base: 4N_frozen + 6N_trainable + 12LHQT"
 
     def per_token(self, seq_len: int) -> float:
         a = self.arch

@@ -8,6 +8,10 @@ allow), for the engine the setup names. None of them changes what is computed: t
 however its sequences are split into micro-batches, and recomputation, the loss kernel and compilation change how
 it is computed, not what. (``make plan BEST=1`` also ranks the engines: ``finetune_tools.planning.cli``.)
 
+LoRA and QLoRA (a setup with an ``Adapter``) rank the same levers with the adapter's memory terms and the frozen
+base's FLOPs, under DeepSpeed ZeRO, the only engine the recipes train adapters with: FSDP2, and so torch.compile, is
+for full fine-tunes.
+
 :func:`rank` orders them in three tiers, fastest first in each: those whose predicted memory leaves ``headroom`` of
 the GPU free (and fits the host), those that fit with less, those that do not fit.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from finetune_kit.errors import ConfigError
 from finetune_kit.planning.speed import Cluster, Efficiency, Job, Prediction, job_for, predict
 from finetune_kit.planning.verdict import GiB, Plan, Setup, plan
 
@@ -89,9 +94,13 @@ def options(model, base: Setup, grad_accum: int, cluster: Cluster, efficiency: E
     ``base.micro_batch x grad_accum`` sequences per GPU per optimizer step, on ``cluster``.
 
     ``loss_kernels``: those the run can use ("none" for a classifier, or the loss whole); ``compile_ok``: whether
-    compiled layers can run here (under FSDP2 only). ``measured(job, cluster)``: the name of a GPU record of exactly
-    that setting, or "". Sequence-parallel runs keep their micro-batch (one sequence).
+    compiled layers can run here (under FSDP2 only, so never with an adapter). ``measured(job, cluster)``: the name
+    of a GPU record of exactly that setting, or "". Sequence-parallel runs keep their micro-batch (one sequence).
     """
+    if base.adapter is not None and base.engine == "fsdp2":
+        raise ConfigError("LoRA/QLoRA under FSDP2: the recipes train adapters under DeepSpeed ZeRO only (FSDP2 and "
+                          "torch.compile are for full fine-tunes); rank the adapter's settings under ZeRO-3 "
+                          "(engine \"deepspeed\"), or plan a full fine-tune (no adapter) for FSDP2.")
     shape = plan(model, base).model
     per_gpu = base.micro_batch * grad_accum
     micro = [base.micro_batch] if base.sequence_parallel > 1 else _divisors(per_gpu)

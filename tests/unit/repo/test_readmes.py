@@ -16,6 +16,7 @@ from finetune_tools.repo.__main__ import main
 from tests.harness import REPO
 
 RECIPES = sorted(p.parent for p in (REPO / "recipes").glob("*/train.py"))
+TAKES_PEFT = {"llama3-8b-zero3", "llama3-70b-qlora"}  # the accelerate recipes: their Method table, one per --peft
 
 
 def test_committed_readmes_are_current():
@@ -25,14 +26,15 @@ def test_committed_readmes_are_current():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_readme_has_both_generated_blocks(recipe):
     """Memory, speed and DeepSpeed knobs in every recipe; the long-context table where memory_plan.json has
-    long-context setups (the 8B recipe)."""
+    long-context setups (the 8B recipe); the Method table in the recipes that take --peft."""
     text = (recipe / "README.md").read_text()
     assert (recipe / "memory_plan.json").is_file()
     assert readmes.begin("memory-plan", "memory_plan.json") in text and readmes.end("memory-plan") in text
     found = [m["name"] for m in readmes.BEGIN_RE.finditer(text)]
     long_context = ["long-context-plan"] if "long_context" in json.loads((recipe / "memory_plan.json").read_text()) \
         else []
-    assert sorted(found) == sorted(["deepspeed-knobs", "memory-plan", "speed-plan", *long_context])
+    method = ["method-plan"] if recipe.name in TAKES_PEFT else []
+    assert sorted(found) == sorted(["deepspeed-knobs", "memory-plan", "speed-plan", *long_context, *method])
 
 
 def test_every_note_explains_a_key_some_recipe_config_has():

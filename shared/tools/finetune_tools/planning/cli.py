@@ -5,6 +5,8 @@
     python -m finetune_tools.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
     python -m finetune_tools.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
+    python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --peft qlora --gpu rtx4090 \
+        --gpus-per-node 1          # the recipe's defaults as QLoRA on one RTX 4090 (make plan ... PEFT=qlora)
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --gpus-per-node 8 \
         --tokens 2e8 --price 2.5   # fit, speed, time and cost
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --gpu h100 --fp8 tensorwise  # fp8 over bf16
@@ -23,7 +25,10 @@ A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
                  "gpus_per_node": 8, "gpu_memory_GiB": 80, "host_memory_GiB": 1000}]}
 
 A setup's ``config`` is a DeepSpeed JSON, or an accelerate YAML (``.yaml``) for an FSDP2 launch.
-Each setup may override micro_batch, seq_len and gradient_checkpointing.
+Each setup may override micro_batch, seq_len and gradient_checkpointing. ``"adapter"`` is the method the recipe trains
+by default (null: every weight; ``{"rank": 16, "quantized": true}``: QLoRA) and ``"peft"``, where present, the
+``--peft`` values it takes (all of none, lora and qlora otherwise); ``--peft`` plans its setups with another of
+them (the FSDP2 setups left out: the recipes train adapters under DeepSpeed ZeRO).
 ``finetune_tools.planning.recipe_tables`` makes the README's memory table of those setups;
 ``python -m finetune_tools.repo readmes`` (``make readmes``) writes it into the recipe's README.md.
 """
@@ -38,7 +43,6 @@ from pathlib import Path
 
 from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
-from finetune_kit.models.shapes import Adapter
 from finetune_kit.planning import levers
 from finetune_kit.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
 from finetune_kit.planning.speed import HOST_CORES, HOST_MEMORY_GBPS, Cluster, Job, calibrated, job_for, predict
@@ -54,14 +58,26 @@ from finetune_tools.planning import breakdown
 from finetune_tools.planning.fp8_speed import FP8_PUBLISHED, check_fp8, fp8_cost, fp8_share, predict_fp8
 from finetune_tools.planning.gpu_records import measured_settings
 from finetune_tools.planning.long_context import alst_levers, longest_context
-from finetune_tools.planning.recipe_tables import gib, recipe_plans
+from finetune_tools.planning.recipe_tables import (
+    PEFT,
+    adapter_for,
+    first_setup,
+    gib,
+    recipe_adapter,
+    recipe_plans,
+)
 from finetune_tools.tables import text_table
+
+
+def method_name(adapter) -> str:
+    """full, or LoRA/QLoRA with its rank: what trains."""
+    return "full" if adapter is None else ("QLoRA" if adapter.quantized else "LoRA") + f" r={adapter.rank}"
 
 
 def describe_setup(s: Setup) -> str:
     offload = [w for w, on in (("optimizer", s.offload_optimizer), ("params", s.offload_param)) if on]
     offload = [f"{w} to NVMe" if s.nvme else w for w in offload]
-    method = "full" if s.adapter is None else ("QLoRA" if s.adapter.quantized else "LoRA") + f" r={s.adapter.rank}"
+    method = method_name(s.adapter)
     sharding = "FSDP2 (full sharding)" if s.engine == "fsdp2" else f"ZeRO-{s.stage}"
     long_context = [w for w, on in ((f"Ulysses SP {s.sequence_parallel}", s.sequence_parallel > 1),
                                     ("tiled MLP", s.tiled_mlp), ("activations offloaded", s.offload_activations),
@@ -134,9 +150,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--offload-activations", action="store_true",
                      help="tensors saved for backward in pinned host memory, as the recipes' --offload-activations")
     run.add_argument("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 4)")
-    run.add_argument("--lora-rank", type=int, help="LoRA on a frozen bf16 base (with --qlora: nf4 base)")
-    run.add_argument("--qlora", action="store_true", help="frozen nf4 base, double quantisation (rank 8 by default)")
-    run.add_argument("--lora-targets", default="all-linear", help="all-linear or comma-separated module names")
+    run.add_argument("--peft", choices=PEFT,
+                     help="none: every weight trains; lora: LoRA adapters over the frozen bf16 base; qlora: over "
+                          "the base in nf4 with double quantisation (embeddings and head in bf16), as the recipes' "
+                          "--peft (default: the recipe's own method; without --recipe, none)")
+    run.add_argument("--lora-rank", type=int, help="adapter rank (default: the recipe's, else 16); alone, LoRA over "
+                                                   "the bf16 base")
+    run.add_argument("--qlora", action="store_true", help="the same as --peft qlora")
+    run.add_argument("--lora-targets", help="all-linear (the default) or comma-separated module names")
     run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
     run.add_argument("--fp8", choices=("none", *FP8_PUBLISHED), default="none",
                      help="with --gpu: the predicted speed of torchao's float8 linear layers (the recipes' --fp8) "
@@ -181,13 +202,19 @@ def _seq_len(text: str) -> int | str:
     return value
 
 
+def peft_of(args) -> str | None:
+    """--peft, or --qlora's qlora; None where neither is given."""
+    if args.qlora and args.peft not in (None, "qlora"):
+        raise UserInputError(f"--qlora with --peft {args.peft}: they ask for two methods. Pass one: --peft qlora, or "
+                             f"--peft {args.peft} without --qlora.")
+    return "qlora" if args.qlora else args.peft
+
+
 def setup_from_args(args) -> Setup:
     ds = json.loads(args.deepspeed_config.read_text()) if args.deepspeed_config else {
         "zero_optimization": {"stage": 3}}
-    adapter = None
-    if args.lora_rank or args.qlora:
-        targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
-        adapter = Adapter(rank=args.lora_rank or 8, targets=targets, quantized=args.qlora)
+    peft = peft_of(args) or ("lora" if args.lora_rank is not None or args.lora_targets is not None else None)
+    adapter = adapter_for(peft, args.lora_rank, args.lora_targets)
     fields = dict(gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
                   micro_batch=args.micro_batch_size,
                   seq_len=2048 if args.seq_len == MAX_SEQ else args.seq_len,
@@ -256,9 +283,10 @@ def render_best(p: Plan, args, recipe: Path | None) -> str:
                      f"{o.tokens_per_s:,.0f}", hours, f"measured ({o.measured})" if o.measured else "predicted",
                      launch + o.flags()])
     first = ranked[0]
-    head = (f"settings ranked for {cluster.gpus} x {cluster.gpu.name}, {p.setup.micro_batch * grad_accum} sequences of "
-            f"{p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); the first "
-            f"line is the fastest that fits with {100 * levers.HEADROOM:.0f}% of "
+    method = "full fine-tuning" if p.setup.adapter is None else method_name(p.setup.adapter)
+    head = (f"settings ranked for {method} on {cluster.gpus} x {cluster.gpu.name}, {p.setup.micro_batch * grad_accum} "
+            f"sequences of {p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); "
+            f"the first line is the fastest that fits with {100 * levers.HEADROOM:.0f}% of "
             f"{p.setup.gpu_memory_GiB:g} GiB free"
             + ("" if first.fits() else " -- none does: the first is the fastest of those that fit with less"
                if first.fits(0.0) else " -- none fits at all: the first is the fastest of those that do not") + ". "
@@ -389,12 +417,13 @@ def main(argv=None) -> int:
                              "RECIPE=... GPU=h100 BEST=1).")
     if args.fp8 != "none" and not args.gpu:
         raise UserInputError(f"--fp8 {args.fp8} predicts a speed: it needs --gpu ({', '.join(GPUS)}).")
+    adapter = recipe_adapter(args.recipe, peft_of(args), args.lora_rank, args.lora_targets) if args.recipe else None
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
-        entry, first = recipe_plans(args.recipe)[0]
-        s = replace(first.setup, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                    gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
-                    sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp or first.setup.tiled_mlp)
-        model = args.model or first.model
+        entry, shape, s = first_setup(args.recipe, adapter, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                      gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
+                                      sequence_parallel=args.sequence_parallel)
+        s = replace(s, tiled_mlp=args.tiled_mlp or s.tiled_mlp)
+        model = args.model or shape
         if args.seq_len == MAX_SEQ:
             print(f"== {args.recipe.name} ({entry['config']})\n{render_longest(model, s, args)}")
             return 0
@@ -405,7 +434,7 @@ def main(argv=None) -> int:
         print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
         return 0
     if args.recipe:
-        for entry, p in recipe_plans(args.recipe):
+        for entry, p in recipe_plans(args.recipe, adapter):
             print(f"== {entry.get('label', '')} ({entry['config']})\n{render_plan(p)}\n")
         return 0
     if not args.model:

@@ -13,6 +13,9 @@ Kinds:
 ``memory-plan``
     the planner's memory per GPU and per node for each setup of ``memory_plan.json``
     (:func:`finetune_tools.planning.cli.recipe_table`).
+``method-plan``
+    the predicted memory per GPU of each method the recipe takes (``--peft``: full, LoRA, QLoRA) at its defaults on
+    one and on eight H100s (:func:`finetune_tools.planning.recipe_tables.method_table`).
 ``long-context-plan``
     the same for the ``long_context`` setups of ``memory_plan.json``: long sequences with the levers
     each row names (:func:`finetune_tools.planning.recipe_tables.long_context_table`).
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune_kit.errors import UserInputError
-from finetune_tools.planning.recipe_tables import long_context_table, recipe_table, speed_table
+from finetune_tools.planning.recipe_tables import long_context_table, method_table, recipe_table, speed_table
 from finetune_tools.tables import markdown_table
 
 NOTES = "recipes/deepspeed-knobs.json"
@@ -170,6 +173,13 @@ def speed_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
     return speed_table(recipe_dir)
 
 
+def method_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
+    if source != "memory_plan.json":
+        raise UserInputError(f"{recipe_dir / 'README.md'}: the method-plan block is generated from memory_plan.json "
+                             f"but its marker says '{source}'; use\n{begin('method-plan', 'memory_plan.json')}")
+    return method_table(recipe_dir)
+
+
 def long_context_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
     if source != "memory_plan.json":
         raise UserInputError(f"{recipe_dir / 'README.md'}: the long-context-plan block is generated from "
@@ -180,6 +190,7 @@ def long_context_plan_block(recipe_dir: Path, source: str, root: Path) -> str:
 
 BLOCKS: dict[str, Callable[[Path, str, Path], str]] = {
     "memory-plan": memory_plan_block,
+    "method-plan": method_plan_block,
     "long-context-plan": long_context_plan_block,
     "speed-plan": speed_plan_block,
     "deepspeed-knobs": deepspeed_knobs_block,

@@ -24,6 +24,7 @@ from finetune_tools.planning.fp8_speed import fp8_cost
 from finetune_tools.planning.gpu_records import job_of, plain
 from finetune_tools.planning.speed_fit import Observation, fit_efficiency, held_out_errors, predict_observation
 from finetune_tools.results import fp8_pairs
+from finetune_tools.results.adapter_memory import TORCHTUNE_8B_LORA, TORCHTUNE_8B_QLORA, TORCHTUNE_70B_LORA
 
 # What each published row's source does not state, assumed (job fields) and why.
 ASSUMED = {
@@ -39,8 +40,9 @@ ASSUMED = {
     "answerai-fsdp-qlora-llama2-70b": ({"engine": "fsdp2", "micro_batch": 8,
                                         "adapter": Adapter(rank=64, targets="all-linear", quantized=True)},
                                        "micro-batch and LoRA rank not stated: 8 and 64 assumed"),
-    "torchtune-llama3.1-70b-lora": ({"engine": "fsdp2", "micro_batch": 2, "adapter": Adapter(rank=16)},
-                                    "A100 80 GB, LoRA rank 16 on all linear layers and checkpointing assumed"),
+    "torchtune-llama3.1-70b-lora": ({"engine": "fsdp2", "micro_batch": 2, "adapter": TORCHTUNE_70B_LORA},
+                                    "A100 80 GB assumed; LoRA rank 16 on q_proj, k_proj and v_proj and checkpointing "
+                                    "as its config (llama3_1/70B_lora.yaml at the table's commit)"),
     "torchtune-llama3.1-70b-full-offload": ({"engine": "fsdp2", "micro_batch": 2, "offload_optimizer": True},
                                             "A100 80 GB and checkpointing assumed; the optimizer fused into the "
                                             "backward is modelled as CPU Adam after it"),
@@ -62,6 +64,12 @@ _TORCHTUNE = ({"engine": "fsdp2", "micro_batch": 4, "grad_accum": 8, "compiled":
               "its config")
 _ULYSSES = ({"stage": 3, "offload_optimizer": True, "micro_batch": 1, "grad_accum": 8},
             "micro-batch 1 (a global batch of 8 micro-batches) and bf16 assumed")
+# torchtune's single-GPU LoRA and QLoRA (its README's table: batch 2 packed to 2,048 tokens, no accumulation, compiled;
+# the configs at the table's commit: checkpointing, the loss in 8 chunks), with a frozen base: 4N_frozen +
+# 6N_trainable + 12LHQT model FLOPs, the frozen weights' backward without their weight gradient.
+_TORCHTUNE_1GPU = {"stage": 0, "engine": "torch", "micro_batch": 2, "grad_accum": 1, "compiled": True,
+                   "loss_kernel": "chunked"}
+_TORCHTUNE_1GPU_WHY = "one GPU, nothing to communicate; LoRA rank 8 on q_proj and v_proj as its config"
 HELD_OUT = {
     "torchao-llama3-8b-bf16": _TORCHAO,
     "torchao-llama3-8b-fp8-tensorwise": ({**_TORCHAO[0], "fp8": "tensorwise"},
@@ -80,6 +88,14 @@ HELD_OUT = {
                                     "gradient_checkpointing": False, "adapter": Adapter(rank=16)},
                                    "no activation checkpointing in its config; its TE and Triton kernels modelled as "
                                    "this stack's"),
+    "torchtune-llama3.1-8b-lora-4090": ({**_TORCHTUNE_1GPU, "adapter": TORCHTUNE_8B_LORA}, _TORCHTUNE_1GPU_WHY),
+    "torchtune-llama3.1-8b-lora-a6000": ({**_TORCHTUNE_1GPU, "adapter": TORCHTUNE_8B_LORA,
+                                          "gradient_checkpointing": False},
+                                         f"{_TORCHTUNE_1GPU_WHY}; activation checkpointing assumed off, as its 14 GiB "
+                                         "over the 4090 row's peak says (finetune_tools.results.adapter_memory)"),
+    "torchtune-llama3.1-8b-qlora-4090": ({**_TORCHTUNE_1GPU, "adapter": TORCHTUNE_8B_QLORA},
+                                         "one GPU, nothing to communicate; QLoRA rank 8 on every linear layer as its "
+                                         "config; the nf4 weights' dequantisation before each matmul not modelled"),
 }
 ASSUMED.update(HELD_OUT)
 
