@@ -119,7 +119,7 @@ def main(argv=None) -> None:
         start = checkpointer.resume(load_module_strict=False)
         meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
 
-        # ---- 6. Train (frozen-base model FLOPs: 4N + 6N_trainable + 12LHQT); validation after each epoch ----
+        # ---- 6. Train (frozen-base model FLOPs: 4N_frozen + 6N_trainable + 12LHQT); validation after each epoch ----
         model.train()
         evals = []
         for step in training.steps(accelerator, train_dl, scheduler, schedule, start):  # micro-batches, counted
