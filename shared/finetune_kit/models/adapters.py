@@ -91,7 +91,9 @@ class Tuning:
         """The memory planner's description of the adapters; None for a full fine-tune."""
         if not self.adapted:
             return None
-        return Adapter(rank=self.rank, targets=self.targets, quantized=self.quantized, double_quant=self.double_quant)
+        targets = self.targets if self.targets == "all-linear" else tuple(t.rsplit(".", 1)[-1] for t in self.targets)
+        return Adapter(rank=self.rank, targets=targets, quantized=self.quantized, double_quant=self.double_quant,
+                       dora=self.dora)
 
     def describe(self) -> str:
         """One line: ``lora r 16, alpha 32, dropout 0.05, targets all-linear`` (qlora: and its 4-bit code); what a

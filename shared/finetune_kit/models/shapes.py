@@ -182,6 +182,13 @@ class ModelShape:
                               f"use 'all-linear' or names from {sorted(shapes)}.")
         return self.num_hidden_layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
 
+    def dora_magnitudes(self, targets: str | tuple[str, ...] = "all-linear") -> int:
+        """DoRA's trained magnitude vectors: one value per output feature of every adapted layer (their weight norms,
+        recomputed in each forward from the weight and the adapter, are transient and not counted)."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if targets == "all-linear" else list(targets)
+        return self.num_hidden_layers * sum(shapes[n][1] for n in names)
+
 
 def resolve_model(spec) -> ModelShape:
     """A ModelShape from a known name (``llama3-8b``), a hub id we know, a config.json path or
@@ -217,3 +224,4 @@ class Adapter:
     targets: str | tuple[str, ...] = "all-linear"
     quantized: bool = True  # nf4 base (QLoRA); False: bf16 base (LoRA)
     double_quant: bool = True
+    dora: bool = False  # weight-decomposed LoRA: a trained magnitude per output feature too

@@ -240,6 +240,7 @@ def adapter_model_states(shape: ModelShape, adapter: Adapter, *, stage: int, gpu
     frozen_linear = shape.num_hidden_layers * shape.block_linear_params()
     bf16_layers = shape.unquantised_params(num_labels)
     trainable = shape.lora_params(adapter.rank, adapter.targets) + (shape.head_params(num_labels) if num_labels else 0)
+    trainable += shape.dora_magnitudes(adapter.targets) if adapter.dora else 0
     if num_labels:  # the classification head is trainable, not frozen
         bf16_layers -= shape.head_params(num_labels)
     base_bytes = frozen_linear * (0.5 if adapter.quantized else BF16)

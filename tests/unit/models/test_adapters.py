@@ -21,6 +21,8 @@ def test_the_defaults_train_every_weight_and_lora_takes_the_family_settings():
     full = adapters.decide(flags(), recipe="r")
     assert full == adapters.FULL and full.method == "full" and full.plan() is None and full.quantization() is None
     lora = adapters.decide(flags(peft="lora", lora_targets="q_proj, v_proj"), recipe="r")
+    dotted = adapters.decide(flags(peft="lora", lora_targets="self_attn.q_proj"), recipe="r")
+    assert dotted.plan().targets == ("q_proj",)  # the planner counts a Llama block's layers by their own names
     assert (lora.method, lora.rank, lora.alpha, lora.targets, lora.quantized) == ("lora", 16, 32, ("q_proj", "v_proj"),
                                                                                   False)
     assert lora.plan() == Adapter(rank=16, targets=("q_proj", "v_proj"), quantized=False)
@@ -36,7 +38,7 @@ def test_qlora_quantizes_as_its_flags_say():
     bnb = q.quantization()
     assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "fp4" and not bnb.bnb_4bit_use_double_quant
     assert bnb.bnb_4bit_compute_dtype is torch.bfloat16 and bnb.bnb_4bit_quant_storage is torch.bfloat16
-    assert q.plan() == Adapter(rank=16, targets="all-linear", quantized=True, double_quant=False)
+    assert q.plan() == Adapter(rank=16, targets="all-linear", quantized=True, double_quant=False, dora=True)
     assert q.lora_config("CAUSAL_LM").use_dora
     assert q.describe() == "qlora r 16, alpha 32, dropout 0.05, targets all-linear, DoRA, fp4 stored as bfloat16"
     assert q.record()["quant_type"] == "fp4" and "quant_type" not in adapters.decide(flags(peft="lora"),

@@ -128,6 +128,11 @@ def test_lora_parameter_count_equals_peft():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == resolve_model(TINY).lora_params(4, "all-linear")
     assert resolve_model(TINY).lora_params(4, ("q_proj", "v_proj")) == 2 * 4 * (64 + 64 + 64 + 32)
+    dora = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY)),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM"))
+    assert sum(p.numel() for p in dora.parameters() if p.requires_grad) == \
+        resolve_model(TINY).lora_params(4, ("q_proj", "v_proj")) + resolve_model(TINY).dora_magnitudes(("q_proj",
+                                                                                                         "v_proj"))
 
 
 # PEFT's DeepSpeed guide ("Use PEFT QLoRA and DeepSpeed with ZeRO3 for finetuning large models on multiple
