@@ -260,7 +260,7 @@ def test_resume_continues_from_the_saved_step(run, recipe_copy, tiny_llama3, tmp
     assert merged.config.id2label == {0: "negative", 1: "positive"}
     assert_merged_classifies_like_base_and_adapter(output, tiny_llama3, merged)
     # merged/ is a base another run can start from: the recipe's checks take it (recipe_main: from the recipe folder)
-    args, _, checked, *_ = load_script(RECIPE / "train.py").check_inputs(
+    args, checked, *_ = load_script(RECIPE / "train.py").check_inputs(
         [*sizes(tiny_llama3)[2:], "--model", str(output / "merged"), "--output", str(tmp_path / "from-merged")])
     assert checked.shape.num_hidden_layers == merged.config.num_hidden_layers and args.model.endswith("merged")
 

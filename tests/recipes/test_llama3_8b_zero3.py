@@ -780,8 +780,9 @@ def adapter_runs(recipe_copy, tiny_llama3, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_lora_and_qlora_train_their_adapters_alone_under_zero3(adapter_runs):
-    """Each run trains the adapters alone (r 16 on all seven linear layers of both blocks: ADAPTER_PARAMS) and its
-    loss falls. Three failures of this stack on the public trackers would each fail here:
+    """Each run trains the adapters alone (r 16 on all seven linear layers of both blocks: ADAPTER_PARAMS), its
+    loss falls and the adapted model answers its held-out prompts. Three failures of this stack on the public
+    trackers would each fail here:
     - non-reentrant activation checkpointing over ZeRO-3's frozen partitions (transformers#47254, trl#2514): both
       runs checkpoint every layer, and the tiny model's frozen linear weights are above ZeRO-3's persistence
       threshold (10 x hidden), so they are released after each forward, the recompute's too;
@@ -805,6 +806,8 @@ def test_lora_and_qlora_train_their_adapters_alone_under_zero3(adapter_runs):
         assert all(ADAPTER_RANK in t.shape and t.numel() > 0 for t in tensors.values())
         assert {t.dtype for t in tensors.values()} == {{"lora": torch.float32, "qlora": torch.bfloat16}[peft]}
         assert not (output / "model").exists()
+        samples = [json.loads(line) for line in (output / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == 2 and all("answer" in s and s["example_id"] in info["eval_example_ids"] for s in samples)
     assert (adapter_runs["lora"] / "merged/model.safetensors").is_file()  # --merge
     assert not (adapter_runs["qlora"] / "merged").exists()
     assert read_run_info(adapter_runs["qlora"])["details"]["lora"]["quant_type"] == "nf4"

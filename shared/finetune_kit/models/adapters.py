@@ -153,6 +153,11 @@ def decide(args, *, recipe: str, dtype: str = "bfloat16", allowed: tuple[str, ..
     if not 0 <= tuning.dropout < 1:
         raise ConfigError(f"--lora-dropout {tuning.dropout}: a dropout probability is in [0, 1). Pass e.g. "
                           "--lora-dropout 0.05 (0: none).")
+    if tuning.quantized and tuning.dora:
+        raise ConfigError("--dora with --peft qlora: peft's DoRA over bitsandbytes' 4-bit layers fails under "
+                          "DeepSpeed ZeRO-3, whose partitioning does not reach the 4-bit weight DoRA's weight norm "
+                          "reads ('Params4bit' object has no attribute 'ds_status'). Pass --peft lora --dora, or drop "
+                          "--dora.")
     if tuning.quantized and tuning.quant_storage != dtype:
         raise ConfigError(f"--quant-storage {tuning.quant_storage} differs from the model's dtype {dtype}. Under "
                           "DeepSpeed ZeRO-3 the 4-bit weights must be stored in the model's dtype so they are "

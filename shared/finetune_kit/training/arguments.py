@@ -73,8 +73,8 @@ class Adapters:
     lora_dropout: float = flag(0.05, "dropout on the adapters' input, in [0, 1)")
     lora_targets: str = flag("all-linear", "'all-linear' (every linear layer of the decoder; not the head) or "
                                            "comma-separated module names, e.g. q_proj,v_proj")
-    dora: bool = flag(False, "weight-decomposed LoRA (peft's use_dora): a trained magnitude per output too; slower "
-                             "steps, often closer to a full fine-tune at a low rank")
+    dora: bool = flag(False, "weight-decomposed LoRA (peft's use_dora; --peft lora): a trained magnitude per "
+                             "output; slower steps, often closer to a full fine-tune at a low rank")
     quant_type: str = flag("nf4", "qlora: the 4-bit code (nf4: normal-float, fits normally distributed weights)",
                            choices=("nf4", "fp4"))
     double_quant: bool = flag(True, "qlora: quantize the quantization constants too (about 0.4 bit per parameter "

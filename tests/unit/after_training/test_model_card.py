@@ -74,14 +74,14 @@ def test_a_chat_adapter_run_gets_a_causal_adapter_card_related_to_its_hub_base(t
     run = write_run(tmp_path / "run", recipe="llama3-8b-zero3", method="qlora", model="meta-llama/Meta-Llama-3-8B",
                     data="HuggingFaceH4/ultrachat_200k", folders=("adapter", "merged"),
                     details={"lora": {"peft": "qlora", "rank": 16, "alpha": 32.0, "dropout": 0.05,
-                                      "targets": "all-linear", "dora": True, "quant_type": "nf4",
+                                      "targets": "all-linear", "dora": False, "quant_type": "nf4",
                                       "double_quant": True, "quant_storage": "bfloat16"}})
     adapter, body = front_and_body((run / "adapter/README.md").read_text() if model_card.write(run) else "")
     assert (adapter["base_model"], adapter["base_model_relation"]) == ("meta-llama/Meta-Llama-3-8B", "adapter")
     assert (adapter["library_name"], adapter["pipeline_tag"]) == ("peft", "text-generation")
     assert "fine-tuned (LoRA adapter)" in body and "AutoModelForCausalLM" in body
     assert "base.resize_token_embeddings(len(tokenizer))" in body and "PeftModel.from_pretrained(base" in body
-    assert "| LoRA (DoRA) | rank 16, alpha 32, dropout 0.05, targets all-linear |" in body
+    assert "| LoRA | rank 16, alpha 32, dropout 0.05, targets all-linear |" in body
     assert "| 4-bit base | nf4, double quantization True, stored as bfloat16 |" in body
     merged, body = front_and_body((run / "merged/README.md").read_text())
     assert merged["base_model_relation"] == "merge" and "AutoModelForCausalLM.from_pretrained(" in body

@@ -34,13 +34,15 @@ def test_the_defaults_train_every_weight_and_lora_takes_the_family_settings():
 
 
 def test_qlora_quantizes_as_its_flags_say():
-    q = adapters.decide(flags(peft="qlora", quant_type="fp4", double_quant=False, dora=True), recipe="r")
+    q = adapters.decide(flags(peft="qlora", quant_type="fp4", double_quant=False), recipe="r")
     bnb = q.quantization()
     assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "fp4" and not bnb.bnb_4bit_use_double_quant
     assert bnb.bnb_4bit_compute_dtype is torch.bfloat16 and bnb.bnb_4bit_quant_storage is torch.bfloat16
-    assert q.plan() == Adapter(rank=16, targets="all-linear", quantized=True, double_quant=False, dora=True)
-    assert q.lora_config("CAUSAL_LM").use_dora
-    assert q.describe() == "qlora r 16, alpha 32, dropout 0.05, targets all-linear, DoRA, fp4 stored as bfloat16"
+    assert q.plan() == Adapter(rank=16, targets="all-linear", quantized=True, double_quant=False)
+    assert q.describe() == "qlora r 16, alpha 32, dropout 0.05, targets all-linear, fp4 stored as bfloat16"
+    dora = adapters.decide(flags(peft="lora", dora=True), recipe="r")
+    assert dora.lora_config("CAUSAL_LM").use_dora and dora.plan().dora
+    assert dora.describe() == "lora r 16, alpha 32, dropout 0.05, targets all-linear, DoRA"
     assert q.record()["quant_type"] == "fp4" and "quant_type" not in adapters.decide(flags(peft="lora"),
                                                                                        recipe="r").record()
     prequantized = SimpleNamespace(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
@@ -56,8 +58,11 @@ def test_qlora_quantizes_as_its_flags_say():
     ({"quant_storage": "float32"}, r"--quant-storage float32 differs from the model's dtype bfloat16\. Under DeepSpeed "
                                    r"ZeRO-3 .* Pass --quant-storage bfloat16\.$"),
     ({"peft": "none", "merge": True}, r"--merge folds an adapter into its base, and --peft none trains every weight"),
+    ({"dora": True}, r"--dora with --peft qlora: peft's DoRA over bitsandbytes' 4-bit layers fails under DeepSpeed "
+                     r"ZeRO-3.* Pass --peft lora --dora, or drop --dora\.$"),
     ({"merge": True, "save_model": False}, r"--merge with --no-save-model: nothing is saved to merge"),
-], ids=["none-for-the-70b", "rank", "alpha", "dropout", "no-target", "storage", "merge-full", "merge-unsaved"])
+], ids=["none-for-the-70b", "rank", "alpha", "dropout", "no-target", "storage", "merge-full", "dora-qlora",
+        "merge-unsaved"])
 def test_a_bad_adapter_flag_is_one_line_naming_it_and_the_fix(given, message):
     allowed = ("lora", "qlora") if given.get("peft") == "none" and "merge" not in given else adapters.PEFT
     with pytest.raises(ConfigError, match=message) as err:
