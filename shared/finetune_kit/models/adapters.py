@@ -30,7 +30,6 @@ from finetune_kit.errors import ConfigError
 from finetune_kit.models.shapes import Adapter
 
 PEFT = ("none", "lora", "qlora")
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
