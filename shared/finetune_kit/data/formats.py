@@ -239,6 +239,7 @@ FIXED = (
     Format("alpaca", ("instruction", "output"), _alpaca),
     Format("prompt-completion", ("prompt", "completion"), _prompt_completion),
 )
+REVIEW_COLUMNS = ("rating", "text")  # a review CSV (data/reviews.py): the classifier's data, not conversations
 NAMES = ("auto", *(f.name for f in FIXED), "prompt-response")
 
 
@@ -265,6 +266,10 @@ def detect(columns: list[str], forced: str = "auto", prompt_field: str = "prompt
         if all(c in columns for c in fmt.columns):
             return fmt
     accepted = "; ".join(f"{f.name}: {' + '.join(f.columns)}" for f in known)
+    if all(c in columns for c in REVIEW_COLUMNS):
+        raise DataError(f"data '{source}' is a review CSV (columns {columns}: a star rating and its text), not "
+                        "conversations, and this recipe trains a chat model. Train the review classifier on it with "
+                        f"the llama3-70b-qlora recipe, or give this one rows in a chat format ({accepted}).")
     raise DataError(f"data '{source}' has the columns {columns}, which match no known format ({accepted}). "
                     "Rename the columns to one of these, or pass --prompt-field/--response-field for a "
                     "one-turn dataset with other names.")

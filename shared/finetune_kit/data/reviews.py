@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from finetune_kit.data import formats
 from finetune_kit.data.batching import pad_right, padded_length
 from finetune_kit.data.instructions import SAMPLE_DIR
 from finetune_kit.errors import DataError
@@ -27,6 +28,7 @@ SAMPLE_REVIEWS = SAMPLE_DIR / "reviews.csv"
 RATINGS = range(1, 6)
 NEUTRAL_RATING = 3
 LABELS = {0: "negative", 1: "positive"}
+CHAT_SUFFIXES = (".jsonl", ".json", ".parquet")  # the instruction recipes' file types, never a review CSV
 
 
 def label_for(rating: int) -> int | None:
@@ -42,17 +44,35 @@ def _read_csv(path: Path, rating_column: str, text_column: str):
     if not path.is_file():
         raise DataError(f"review file '{path}' does not exist. Pass --data with one or more CSV files "
                         f"that have '{rating_column}' and '{text_column}' columns (sample: {SAMPLE_REVIEWS}).")
+    if path.suffix.lower() in CHAT_SUFFIXES:
+        raise _chat_data(path, f"{path.suffix} rows", rating_column, text_column)
     try:
         frame = pd.read_csv(path, dtype=str, keep_default_na=False)
     except Exception as err:  # pandas raises several parser error types
         raise DataError(f"could not parse review file '{path}' as CSV: {err}") from err
     missing = [c for c in (rating_column, text_column) if c not in frame.columns]
+    if missing and (fmt := _instruction_format(list(frame.columns))):
+        raise _chat_data(path, f"{fmt} rows (columns {list(frame.columns)})", rating_column, text_column)
     if missing:
         raise DataError(
             f"review file '{path}' has no column {' or '.join(map(repr, missing))}; its columns are "
             f"{list(frame.columns)}. Rename the columns or pass --rating-column/--text-column."
         )
     return frame
+
+
+def _instruction_format(columns: list[str]) -> str | None:
+    """The instruction format (data/formats.py) these columns are in, or None."""
+    try:
+        return formats.detect(columns).name
+    except DataError:
+        return None
+
+
+def _chat_data(path: Path, what: str, rating_column: str, text_column: str) -> DataError:
+    return DataError(f"review file '{path}' holds {what}, not reviews: this recipe trains a sentiment classifier on "
+                     f"CSV files with '{rating_column}' and '{text_column}' columns. Chat or instruction rows train a "
+                     "chat model with the llama3-70b-qlora-chat recipe (the same nodes and configs).")
 
 
 def _check_ratings(frame, path: Path, rating_column: str) -> list[int]:

@@ -52,6 +52,17 @@ def test_detection_order_and_forcing():
         formats.detect(both, forced="chatml")
 
 
+def test_a_review_csv_is_named_as_the_classifiers_data():
+    """Columns of no instruction format that are a review CSV's: the message names the classifier recipe; a review
+    CSV that also has instruction columns is read in that format."""
+    with pytest.raises(DataError, match=r"data 'r.csv' is a review CSV \(columns \['rating', 'title', 'text'\].*"
+                                        r"with the llama3-70b-qlora recipe"):
+        formats.detect(["rating", "title", "text"], source="r.csv")
+    with pytest.raises(DataError, match=r"which match no known format"):
+        formats.detect(["stars", "text"])
+    assert formats.detect(["rating", "text", "prompt", "response"]).name == "prompt-response"
+
+
 @pytest.mark.parametrize(("turns", "message"), [
     ("hello", r"'messages' is str, not a list of turns"),
     ([{"role": "user"}], r"turn 1 of 'messages' is not a \{'role', 'content'\} object"),
