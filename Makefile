@@ -69,9 +69,14 @@ MAIN_PORT ?= 29500
 MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
 RECIPE_70B := recipes/llama3-70b-qlora
+# The chat recipe is the same two-node job (its configs are the classifier's) with its own train.py and output.
+recipe-70b-qlora-chat train-llama3-70b-qlora-chat: RECIPE_70B := recipes/llama3-70b-qlora-chat
+recipe-70b-qlora-chat train-llama3-70b-qlora-chat: OUTPUT_70B := $(CURDIR)/out/llama3-70b-qlora-chat
+recipe-70b-qlora-chat train-llama3-70b-qlora-chat: DATA_70B := chat or instruction data (.jsonl/.csv/.parquet, a folder or a hub dataset)
+DATA_70B := review CSV file(s)
 
 .PHONY: help demo test test-quick lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
-	train-llama2-13b-zero2 train-llama3-70b-qlora plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
+	train-llama2-13b-zero2 train-llama3-70b-qlora recipe-70b-qlora-chat train-llama3-70b-qlora-chat plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
 help: ## this list
@@ -103,9 +108,9 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # podman's own, beyond the nice value's reach, with the lowest CPU share instead (tests/container/podman.py). Every
 # session runs whatever failed before it; the exit status says if any did.
 TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 \
-  test-llama3-70b-qlora kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
+  test-llama3-70b-qlora test-llama3-70b-qlora-chat kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
 MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse
-SIDE_SESSIONS := test-llama2-13b-zero2 test-llama3-70b-qlora kubernetes gpu-bundle
+SIDE_SESSIONS := test-llama2-13b-zero2 test-llama3-70b-qlora test-llama3-70b-qlora-chat kubernetes gpu-bundle
 idle_disk = $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	@mkdir -p .nox; rm -f .nox/session-times.jsonl .nox/launches.jsonl; failed=0; \
@@ -279,13 +284,15 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 # Checks the main/worker config pair first (seconds), then starts this node's half of the job. GPUS_PER_NODE on
 # the command line sets the processes per node (the configs say 4); the same value on both nodes.
 nproc_70b = $(if $(filter command line,$(origin GPUS_PER_NODE)),--num_processes $$((2 * $(GPUS_PER_NODE))))
-recipe-70b-qlora: ## Llama 3.3 70B QLoRA, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
-	$(call need_gpus,recipe-70b-qlora,The CPU check of this recipe: 'nox -s test-llama3-70b-qlora'.)
+recipe-70b-qlora: ## Llama 3.3 70B QLoRA review classifier, 2 nodes x 4 GPUs: NODE_RANK=0|1 MAIN_IP=... MODEL_70B=... DATA=... OUTPUT_70B=... [CONTAINER=docker]
+recipe-70b-qlora-chat: ## Llama 3.3 70B QLoRA on chat data, the same nodes and variables (DATA=chats.jsonl)
+recipe-70b-qlora recipe-70b-qlora-chat:
+	$(call need_gpus,$@,The CPU check of this recipe: 'nox -s test-$(notdir $(RECIPE_70B))'.)
 	@test -n "$(MAIN_IP)" || { echo "Set MAIN_IP=<address of the NODE_RANK=0 node on the inter-node network>."; exit 2; }
-	@test -n "$(DATA)" || { echo "Set DATA=<review CSV file(s) on the shared filesystem>."; exit 2; }
+	@test -n "$(DATA)" || { echo "Set DATA=<$(DATA_70B) on the shared filesystem>."; exit 2; }
 ifneq ($(CONTAINER),)
-	set -x && $(call in_container,llama3-70b-qlora,$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
-	  recipe-70b-qlora NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
+	set -x && $(call in_container,$(notdir $(RECIPE_70B)),$(MODEL_70B),$(DATA),$(OUTPUT_70B)) make -C /workspace \
+	  $@ NODE_RANK=$(NODE_RANK) MAIN_IP=$(MAIN_IP) MAIN_PORT=$(MAIN_PORT) \
 	  MODEL_70B="$(call local_or_hub,$(MODEL_70B))" DATA='$(foreach d,$(DATA),$(call local_or_hub,$(d)))' \
 	  OUTPUT_70B="$(abspath $(OUTPUT_70B))" TRAIN_ARGS='$(TRAIN_ARGS)' METRICS_PORT=$(METRICS_PORT) \
 	  $(if $(filter command line,$(origin GPUS_PER_NODE)),GPUS_PER_NODE=$(GPUS_PER_NODE))
@@ -301,6 +308,7 @@ endif
 train-llama3-8b-zero3: recipe-8b-zero3 ## the same as recipe-8b-zero3
 train-llama2-13b-zero2: recipe-13b-zero2 ## the same as recipe-13b-zero2
 train-llama3-70b-qlora: recipe-70b-qlora ## the same as recipe-70b-qlora
+train-llama3-70b-qlora-chat: recipe-70b-qlora-chat ## the same as recipe-70b-qlora-chat
 
 # Prometheus + Grafana + DCGM exporter for a running job (docker/monitoring): the targets are every rank's
 # endpoint, ports METRICS_PORT.. on each of NODES (main node first; the job runs with METRICS_PORT set), and

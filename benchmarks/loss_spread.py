@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/recipes/test_llama3_8b_zero3.py", "tests/recipes/test_llama2_13b_zero2.py",
-          "tests/recipes/test_llama3_70b_qlora.py"]
+          "tests/recipes/test_llama3_70b_qlora.py", "tests/recipes/test_llama3_70b_qlora_chat.py"]
 VARIANTS = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "threads2": {"OMP_NUM_THREADS": "2"}}
 
 

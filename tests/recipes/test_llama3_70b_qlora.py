@@ -31,6 +31,7 @@ import torch
 
 from tests.harness import (
     REPO,
+    SAMPLE_CHAT,
     SAMPLE_REVIEWS,
     SPLITS,
     accelerate_command,
@@ -509,6 +510,9 @@ def write_csv(path: Path, text: str) -> str:
     ("quant_storage_mismatch", r"--quant-storage float32 differs from the model's dtype bfloat16.*"
                                r"Pass --quant-storage bfloat16"),
     ("full_fine_tune", r"--peft none: llama3-70b-qlora takes --peft lora or qlora"),
+    ("chat_data", r"holds \.jsonl rows, not reviews: this recipe trains a sentiment classifier.*"
+                  r"with the llama3-70b-qlora-chat recipe"),
+    ("chat_csv", r"holds prompt-response rows \(columns \['prompt', 'response'\]\), not reviews"),
     ("device_map_under_zero3", r"--device-map 'auto' cannot be used under DeepSpeed ZeRO-3"),
     ("fsdp_launch", r"llama3-70b-qlora runs under DeepSpeed ZeRO-3 with adapters \(--peft qlora\); FSDP2 launch "
                     r"configs are supported for full fine-tuning"),
@@ -530,6 +534,10 @@ def test_bad_input_fails_early_with_a_clear_message(case, pattern, recipe_main, 
         args["--quant-storage"] = "float32"
     elif case == "full_fine_tune":
         args["--peft"] = "none"
+    elif case == "chat_data":
+        args["--data"] = str(SAMPLE_CHAT)
+    elif case == "chat_csv":
+        args["--data"] = write_csv(tmp_path / "r.csv", "prompt,response\nHi,Hello\n")
     elif case == "device_map_under_zero3":
         args["--device-map"] = "auto"
     elif case == "fsdp_launch":  # the 8B recipe's configs/fsdp2.yaml, launched here

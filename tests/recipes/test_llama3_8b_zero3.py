@@ -35,6 +35,7 @@ from tests.harness import (
     SPLITS,
     accelerate_command,
     accelerate_launch,
+    assert_adapter_answers_as_its_fp32_merge,
     assert_failed_early,
     assert_finished,
     assert_levers_auto_took_the_first_of_the_ranking,
@@ -753,10 +754,6 @@ ADAPTER_RANK = 16  # the flags' default
 # The tiny Llama 3: 2 layers, hidden 64, 2 KV heads of 8, ffn 224. LoRA on every linear layer of a block holds
 # r (in + out) per layer: q 64+64, k 64+16, v 64+16, o 64+64, gate and up 64+224, down 224+64.
 ADAPTER_PARAMS = 2 * ADAPTER_RANK * (128 + 80 + 80 + 128 + 288 + 288 + 288)
-# Measured (AVX2-only AMD EPYC; tiny Llama 3 in fp32 for the comparison, the LoRA run's adapter):
-# PeftModel over the base against make merge's fp32 folder, largest |logit difference| 2.4e-7 and 2.6e-7 in two
-# runs, at logits up to 0.68 in magnitude; the base without the adapter is 0.41 away (the negative control below).
-MERGED_LOGITS_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -815,32 +812,14 @@ def test_lora_and_qlora_train_their_adapters_alone_under_zero3(adapter_runs):
 
 def test_the_adapter_over_its_base_answers_as_make_merge_s_folder(adapter_runs, tiny_llama3, tmp_path):
     """plain `PeftModel.from_pretrained` over the base gives the logits of the folder `make merge` writes (in fp32
-    here, so the comparison is not bf16's rounding), within MERGED_LOGITS_ATOL; the base alone does not (the negative
-    control). The recipe's own --merge folder (bf16) loads with plain transformers and its generation config stops
-    at the chat template's end of turn; the adapter's card says how to load it."""
-    from peft import PeftModel
+    here, so the comparison is not bf16's rounding), within MERGED_LOGITS_ATOL (tests/harness.py); the base alone
+    does not (the negative control). The recipe's own --merge folder (bf16) loads with plain transformers and its
+    generation config stops at the chat template's end of turn; the adapter's card says how to load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    copy = tmp_path / "run"
-    shutil.copytree(adapter_runs["lora"], copy, ignore=shutil.ignore_patterns("checkpoints", "merged"))
-    proc, = wait_all([make_target("merge", f"RUN={copy}", "MERGE_ARGS=--dtype float32")], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    tokenizer = AutoTokenizer.from_pretrained(copy / "adapter")
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Spell the word 'silver' backwards."}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
-
-    def logits(model):
-        with torch.no_grad():
-            return model.eval()(**inputs).logits
-
-    base = logits(AutoModelForCausalLM.from_pretrained(tiny_llama3, dtype=torch.float32))
-    adapted = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama3, dtype=torch.float32),
-                                               copy / "adapter"))
-    merged = logits(AutoModelForCausalLM.from_pretrained(copy / "merged"))
-    print(f"adapter vs merged: {(adapted - merged).abs().max():.1e}; base vs adapter: "
-          f"{(adapted - base).abs().max():.1e} (logits up to {adapted.abs().max():.2f})")
-    torch.testing.assert_close(adapted, merged, rtol=0, atol=MERGED_LOGITS_ATOL)
-    assert (adapted - base).abs().max() > 100 * MERGED_LOGITS_ATOL
+    assert_adapter_answers_as_its_fp32_merge(adapter_runs["lora"], tiny_llama3, tmp_path,
+                                             "Spell the word 'silver' backwards.")
+    tokenizer = AutoTokenizer.from_pretrained(adapter_runs["lora"] / "adapter")
     bf16 = AutoModelForCausalLM.from_pretrained(adapter_runs["lora"] / "merged")
     assert bf16.dtype == torch.bfloat16
     assert tokenizer.convert_tokens_to_ids("<|eot_id|>") in bf16.generation_config.eos_token_id

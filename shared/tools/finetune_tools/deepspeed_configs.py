@@ -155,6 +155,8 @@ SHIPPED: dict[str, DeepSpeedSetup] = {
     "recipes/llama2-13b-zero2/configs/zero2-offload.json": DeepSpeedSetup(stage=2, offload_optimizer="cpu"),
     "recipes/llama2-13b-zero2/configs/zero2-fp16.json": DeepSpeedSetup(stage=2, precision="fp16"),
     "recipes/llama3-70b-qlora/configs/zero3.json": DeepSpeedSetup(stage=3, betas=(0.9, 0.999), eps=1e-8),
+    # the chat recipe runs the classifier's job: the same file
+    "recipes/llama3-70b-qlora-chat/configs/zero3.json": DeepSpeedSetup(stage=3, betas=(0.9, 0.999), eps=1e-8),
 }
 
 

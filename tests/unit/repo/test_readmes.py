@@ -16,7 +16,8 @@ from finetune_tools.repo.__main__ import main
 from tests.harness import REPO
 
 RECIPES = sorted(p.parent for p in (REPO / "recipes").glob("*/train.py"))
-TAKES_PEFT = {"llama3-8b-zero3", "llama3-70b-qlora"}  # the accelerate recipes: their Method table, one per --peft
+# the accelerate recipes: their Method table, one per --peft
+TAKES_PEFT = {"llama3-8b-zero3", "llama3-70b-qlora", "llama3-70b-qlora-chat"}
 
 
 def test_committed_readmes_are_current():
