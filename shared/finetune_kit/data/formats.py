@@ -88,7 +88,7 @@ class Format:
         return Conversation(messages, tools(row), example_id)
 
 
-def _turns(value, source: str, role_key: str = "role", content_key: str = "content",
+def read_turns(value, source: str, role_key: str = "role", content_key: str = "content",
            roles: dict[str, str] | None = None) -> list[dict]:
     if not isinstance(value, list):
         raise ValueError(f"'{source}' is {type(value).__name__}, not a list of turns")
@@ -104,7 +104,7 @@ def _turns(value, source: str, role_key: str = "role", content_key: str = "conte
             raise ValueError(f"{where} has {role_key} {given!r}; known: {', '.join(known)}")
         content = turn.get(content_key)
         if given in CALL_TURNS:  # ShareGPT's function_call: the value is the call, or a list of calls
-            calls = _json(content, f"{where} ({given})")
+            calls = json_value(content, f"{where} ({given})")
             out.append({"role": "assistant", "content": "",
                         "tool_calls": _calls(calls if isinstance(calls, list) else [calls], where)})
             continue
@@ -126,7 +126,7 @@ def _turns(value, source: str, role_key: str = "role", content_key: str = "conte
     return out
 
 
-def _json(value, where: str):
+def json_value(value, where: str):
     """``value``, or the JSON a string of it holds; ValueError naming ``where`` if the string is not JSON."""
     if not isinstance(value, str):
         return value
@@ -145,7 +145,7 @@ def _calls(calls: list, where: str) -> list[dict]:
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             raise ValueError(f"tool call {k} of {where} has no function name: {call!r:.80}")
-        arguments = _json(function.get("arguments", function.get("parameters")) or {},
+        arguments = json_value(function.get("arguments", function.get("parameters")) or {},
                           f"the arguments of tool call {k} ({name}) of {where}")
         if not isinstance(arguments, dict):
             raise ValueError(f"the arguments of tool call {k} ({name}) of {where} are a "
@@ -165,14 +165,14 @@ def tools(row: dict) -> list[dict] | None:
     dropped: a Parquet table gives every schema the union of all schemas' keys, the missing ones null.
     Raises ValueError on a value that is not a list of schemas."""
     value = row.get("tools")
-    value = _json(value, "'tools'") if value != "" else None  # an empty cell: no tools
+    value = json_value(value, "'tools'") if value != "" else None  # an empty cell: no tools
     if value is None or value == []:
         return None
     if not isinstance(value, list):
         raise ValueError(f"'tools' is {type(value).__name__}, not a list of function schemas")
     out = []
     for k, schema in enumerate(value, 1):
-        schema = _json(schema, f"tool {k} of 'tools'")
+        schema = json_value(schema, f"tool {k} of 'tools'")
         if not isinstance(schema, dict):
             raise ValueError(f"tool {k} of 'tools' is {type(schema).__name__}, not a function schema")
         function = schema.get("function", schema) if schema.get("type", "function") == "function" else None
@@ -200,11 +200,11 @@ def _text(row: dict, column: str) -> str:
 
 
 def _messages(row: dict) -> list[dict]:
-    return _turns(row["messages"], "messages")
+    return read_turns(row["messages"], "messages")
 
 
 def _sharegpt(row: dict) -> list[dict]:
-    return _turns(row["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
+    return read_turns(row["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
 
 
 def _alpaca(row: dict) -> list[dict]:
@@ -218,8 +218,9 @@ def _alpaca(row: dict) -> list[dict]:
 
 def _prompt_completion(row: dict) -> list[dict]:
     prompt, completion = row["prompt"], row["completion"]
-    head = _turns(prompt, "prompt") if isinstance(prompt, list) else [{"role": "user", "content": _text(row, "prompt")}]
-    tail = (_turns(completion, "completion") if isinstance(completion, list)
+    head = (read_turns(prompt, "prompt") if isinstance(prompt, list)
+            else [{"role": "user", "content": _text(row, "prompt")}])
+    tail = (read_turns(completion, "completion") if isinstance(completion, list)
             else [{"role": "assistant", "content": _text(row, "completion")}])
     return head + tail
 
@@ -275,7 +276,7 @@ def detect(columns: list[str], forced: str = "auto", prompt_field: str = "prompt
                     "one-turn dataset with other names.")
 
 
-def _spans(numbers: list[int], most: int = 4) -> str:
+def row_spans(numbers: list[int], most: int = 4) -> str:
     """``rows 1-10, 21-30 and 2 more spans`` from sorted row numbers."""
     spans: list[list[int]] = []
     for n in numbers:
@@ -312,7 +313,7 @@ def check_rows(rows, fmt: Format, source: str = "data", prompt_field: str = "pro
             if len(bad) < 5:
                 bad.append(f"row {n}: {err}")
     if len(found) > 1:
-        which = "; ".join(f"{name} in {_spans(numbers)}" for name, numbers in found.items())
+        which = "; ".join(f"{name} in {row_spans(numbers)}" for name, numbers in found.items())
         raise DataError(f"data '{source}' mixes formats: {which}. A run reads one format: split the file into one "
                         "file per format and train on the one you want, or convert its rows to one format.")
     if bad:

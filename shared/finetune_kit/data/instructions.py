@@ -100,7 +100,7 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
     ``--chat-template`` choice) and ``model`` (whose tokenizer renders it, read only then) are given, prove the
     template trains them (:func:`~.loss_mask.check_tools`). DataError naming the problem before anything starts.
     ``flag``: the option that named ``source``, as the errors name it (e.g. --sample-prompts)."""
-    rows, splits = _read(source, split, flag)
+    rows, splits = read_source(source, split, flag)
     if len(rows) == 0:
         raise DataError(f"data '{source}' has no rows. Pass a file with at least one example per line.")
     fmt = formats.detect(rows.column_names, data_format, prompt_field, response_field, source)
@@ -115,7 +115,7 @@ def load_rows(source: str, data_format: str = "auto", prompt_field: str = "promp
     return InstructionRows(rows, fmt, source, (prompt_field, response_field), tool_rows, template, splits)
 
 
-def _read(source: str, split: str, flag: str):
+def read_source(source: str, split: str = TRAIN, flag: str = "--data"):
     """``(rows, splits)``: a datasets.Dataset and the :class:`Splits` it was read by."""
     import datasets
 
