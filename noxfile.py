@@ -309,6 +309,7 @@ def lock(session: nox.Session) -> None:
     """Regenerate docker/requirements.lock and requirements-cpu.lock from the pins (needs the index;
     TORCH_CPU_WHEELS=DIR takes the CPU torch wheel from a folder)."""
     session.install("-c", "docker/requirements-dev.txt", "uv")
+    session.install("-c", "docker/requirements.txt", "pydantic")  # the pins check reads the run record's schema
     session.run("bash", "docker/lock.sh", external=True)
     session.run("python", "-c", "import sys; sys.path[:0] = ['shared', 'shared/tools']; "
                 "from finetune_tools.repo.__main__ import main; sys.exit(main(['pins']))")
