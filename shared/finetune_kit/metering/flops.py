@@ -18,6 +18,15 @@ Frozen base (LoRA / QLoRA): a frozen weight needs no weight gradient, so its bac
 N_frozen: the base's weights that multiply every token (N above, less a classification head that trains);
 N_trainable: the adapter's weights (LoRA's A and B), plus that head.
 
+DPO (preference pairs): each example is a chosen and a rejected sequence, both through the policy, so the
+formulas above count per token of either sequence (a pair of two T-token sequences: 2T tokens). A reference
+model that runs in the step (the base with the adapters off, or a second copy) adds its forward over the same
+tokens: 2N (all weights, none trains) plus the forward third of attention, 4LHQT::
+
+    flops/token += 2 * N + 4 * L * H * Q * T
+
+A reference whose log-probabilities are precomputed before training adds nothing to a step.
+
 These are *model* FLOPs: recomputation from activation checkpointing and 4-bit dequantisation
 are not counted, so MFU compares runs by useful work only. Only real (non-padding) tokens are
 counted; T is the padded length the attention actually ran at.
@@ -50,19 +59,22 @@ class FlopCounter:
     num_labels: int | None = None  # sequence classification: a num_labels x hidden head
     trainable: int | None = None
     head_trainable: bool = False
+    reference_forward: bool = False  # DPO: the reference's forward over the same tokens (2N + 4LHQT per token)
 
     @property
     def method(self) -> str:
-        return "full: 6N + 12LHQT" if self.trainable is None else "frozen base: 4N_frozen + 6N_trainable + 12LHQT"
+        method = "full: 6N + 12LHQT" if self.trainable is None else "frozen base: 4N_frozen + 6N_trainable + 12LHQT"
+        return method + (" + reference forward 2N + 4LHQT" if self.reference_forward else "")
 
     def per_token(self, seq_len: int) -> float:
         a = self.arch
         n = a.matmul_params(self.num_labels)
         attention = 12 * a.num_hidden_layers * a.num_attention_heads * a.dim_per_head * seq_len
+        reference = (2 * n + attention / 3) if self.reference_forward else 0
         if self.trainable is None:
-            return 6 * n + attention
+            return 6 * n + attention + reference
         frozen = n - (self.arch.head_params(self.num_labels) if self.head_trainable else 0)
-        return 4 * frozen + 6 * self.trainable + attention
+        return 4 * frozen + 6 * self.trainable + attention + reference
 
     def batch(self, real_tokens: int, seq_len: int) -> float:
         return real_tokens * self.per_token(seq_len)

@@ -1,12 +1,16 @@
 """How fast a setup trains: tokens/s per GPU from compute, communication and CPU offload, per step.
 
-One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N GPUs takes:
+One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N GPUs (under DPO twice that:
+``micro_batch`` counts pairs of a chosen and a rejected sequence, :mod:`.preference`) takes:
 
 * **compute**: the FLOPs the GPU executes (:meth:`Job.executed_per_token`) at ``efficiency`` x the GPU's dense
   bf16 peak: the model FLOPs (:class:`~finetune_kit.metering.flops.FlopCounter`: 6N + 12LHQT per token, or
   4N_frozen + 6N_trainable + 12LHQT with a frozen base) with causal attention at half of 12LHQT (flash attention
   skips the masked blocks), plus the forward again of the decoder layers checkpointing recomputes (all of them, or
-  every ``recompute_every``-th) and, with the chunked loss, of the LM head. ``efficiency`` is the share of the peak
+  every ``recompute_every``-th) and, with the chunked loss, of the LM head. Under DPO a reference that runs in the
+  step adds its forward over both sequences (model FLOPs 2N + 4LHQT per token, the causal half of attention
+  executed; :func:`.preference.reference_forward_per_token`); a precomputed one runs before training, its time
+  :func:`reference_pass`. ``efficiency`` is the share of the peak
   a GPU reaches while it computes (kernels, launch gaps folded in); it is fitted on measured and published runs
   (``finetune_tools.planning.speed_fit``), one value per method (full fine-tuning, frozen base). Compiled decoder
   layers take ``Efficiency.compiled`` of that time, fitted on pairs of runs that differ only in compilation
@@ -14,7 +18,8 @@ One optimizer step of ``micro_batch x seq_len x grad_accum`` tokens on each of N
 * **communication**: the bytes each GPU sends in the step's collectives over the slowest link of the
   ring, the seed's T = 2(N-1)/N x M / B generalised: an all-gather or a reduce-scatter of M bytes
   moves (N-1)/N x M per GPU, an all-reduce twice that. Per micro-batch under ZeRO-3/FSDP2: the bf16
-  weights gathered for the forward and again for the backward, the gradients reduce-scattered
+  weights gathered for the forward and again for the backward (and for DPO's reference forward, once more), the
+  gradients reduce-scattered
   (fp32 under this repository's FSDP2 config, bf16 otherwise); under ZeRO-2 the gradients are
   reduce-scattered per micro-batch and the updated bf16 weights gathered once per step; ZeRO-0/1:
   one all-reduce of the gradients per step. A frozen 4-bit base (QLoRA under ZeRO-3/FSDP) gathers
@@ -56,6 +61,7 @@ from dataclasses import dataclass, field
 from finetune_kit.metering.flops import FlopCounter
 from finetune_kit.models.shapes import Adapter, ModelShape
 from finetune_kit.planning.hardware import LINK_EFFICIENCY, NETWORKS, Gpu, Network
+from finetune_kit.planning.preference import Dpo, check_reference, reference_forward_per_token, sequences_per_example
 
 BF16 = 2
 FP32 = 4
@@ -80,6 +86,20 @@ class Job:
     recompute_every: int = 1  # with checkpointing: every N-th decoder layer recomputed (1: all)
     loss_kernel: str = "none"  # "chunked": the head's forward again in the backward | "liger" | "none": neither
     compiled: bool = False  # decoder layers through torch.compile
+    dpo: Dpo | None = None  # preference pairs: micro_batch counts pairs, each two sequences through the policy
+
+    def __post_init__(self) -> None:
+        check_reference(self.dpo, self.adapter)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per micro-batch through the policy: ``micro_batch``, twice that under DPO."""
+        return self.micro_batch * sequences_per_example(self.dpo)
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each micro-batch runs DPO's reference forward."""
+        return self.dpo is not None and self.dpo.reference_forward
 
     @property
     def method(self) -> str:
@@ -94,8 +114,13 @@ class Job:
     def flops_per_token(self) -> float:
         counter = FlopCounter(self.shape, num_labels=self.num_labels,
                               trainable=None if self.adapter is None else self.trainable(),
-                              head_trainable=bool(self.num_labels and self.adapter))
+                              head_trainable=bool(self.num_labels and self.adapter),
+                              reference_forward=self.reference_forward)
         return counter.per_token(self.seq_len)
+
+    def flops_per_example(self) -> float:
+        """Model FLOPs per training example: one sequence of ``seq_len`` tokens, or under DPO a pair of them."""
+        return sequences_per_example(self.dpo) * self.seq_len * self.flops_per_token()
 
     def attention_per_token(self) -> float:
         """The 12LHQT of :meth:`flops_per_token`: attention's scores and their use, forward and backward, counted
@@ -115,8 +140,9 @@ class Job:
         """FLOPs per token the GPU runs: :meth:`flops_per_token` with causal attention at the half flash attention
         computes (the blocks above the diagonal are skipped), plus the forward of the recomputed decoder layers
         (2 x their parameters and causal attention's forward, 2LHQT) and, with the chunked loss, the head's forward
-        again in the backward (2 x its parameters)."""
-        causal = self.attention_per_token() / 2
+        again in the backward (2 x its parameters). DPO's reference forward, where it runs, is in
+        :meth:`flops_per_token` with its attention at the causal half too."""
+        causal = self.attention_per_token() / 2 * (1 + self.reference_forward / 3)
         blocks = self.shape.num_hidden_layers * self.shape.block_linear_params()
         recompute = self.recomputed_layers() * (2 * blocks + causal / 3)
         head = 2 * self.shape.head_params(self.num_labels) * (self.loss_kernel == "chunked")
@@ -129,7 +155,7 @@ def job_for(shape: ModelShape, setup, grad_accum: int = 4) -> Job:
                stage=setup.stage, engine=setup.engine, offload_optimizer=setup.offload_optimizer,
                gradient_checkpointing=setup.gradient_checkpointing, adapter=setup.adapter,
                num_labels=setup.num_labels, sequence_parallel=setup.sequence_parallel,
-               recompute_every=setup.recompute_every)
+               recompute_every=setup.recompute_every, dpo=setup.dpo)
 
 
 # A node's host, for the offloaded optimizer step: an assumption where the user gives none (make plan's --host-cores,
@@ -260,7 +286,7 @@ def bytes_per_step(job: Job, gpus: int) -> float:
     grad_bytes = FP32 if job.engine == "fsdp2" else BF16
     if job.stage >= 3:
         weights = trainable * BF16 + frozen * (NF4 if job.adapter and job.adapter.quantized else BF16)
-        per_micro = 2 * _ring(weights, gpus) + _ring(trainable * grad_bytes, gpus)
+        per_micro = (2 + job.reference_forward) * _ring(weights, gpus) + _ring(trainable * grad_bytes, gpus)
         return job.grad_accum * per_micro
     if job.stage == 2:
         return job.grad_accum * _ring(trainable * BF16, gpus) + _ring(trainable * BF16, gpus)
@@ -284,7 +310,8 @@ def all_to_all_bytes(job: Job) -> float:
     forward."""
     sp, shape = job.sequence_parallel, job.shape
     return ulysses_bytes(size=sp, layers=shape.num_hidden_layers, hidden_size=shape.hidden_size, kv_dim=shape.kv_dim,
-                         tokens=job.micro_batch * job.seq_len / sp, passes=2 + job.gradient_checkpointing)
+                         tokens=job.sequences * job.seq_len / sp,
+                         passes=2 + job.gradient_checkpointing + job.reference_forward)
 
 
 def offload_pcie_s(job: Job, cluster: Cluster) -> float:
@@ -300,32 +327,34 @@ def cpu_adam_s(job: Job, cluster: Cluster, efficiency: Efficiency) -> float:
     return job.trainable() / cluster.nodes / efficiency.adam_params_per_s(cluster)
 
 
+def collective_s(sent: float, cluster: Cluster) -> tuple[float, float]:
+    """(intra-node, inter-node) seconds of collectives in which each GPU sends ``sent`` bytes over the ring's slowest
+    link: the GPU's NVLink/PCIe on one node; across nodes the network's per-node rate shared by the node's GPUs, where
+    it is the slower."""
+    intra_rate = cluster.gpu.intra_node_GBps * 1e9 * LINK_EFFICIENCY
+    if cluster.nodes == 1:
+        return sent / intra_rate, 0.0
+    if cluster.network is None:
+        from finetune_kit.errors import ConfigError
+
+        raise ConfigError(f"{cluster.nodes} nodes need the network between them for the speed: pass NETWORK= to "
+                          f"make plan (--network here), one of {', '.join(NETWORKS)} (ib400: 8 x 400 Gb/s "
+                          "InfiniBand NICs per node; --network-gbps overrides a profile's GB/s).")
+    inter_rate = cluster.network.per_node_GBps * 1e9 * LINK_EFFICIENCY / cluster.gpus_per_node
+    return (0.0, sent / inter_rate) if inter_rate < intra_rate else (sent / intra_rate, 0.0)
+
+
 def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) -> Prediction:
     eff = efficiency or Efficiency()
     gpus = cluster.gpus
-    tokens = job.micro_batch * job.seq_len * job.grad_accum * gpus // max(1, job.sequence_parallel)
+    tokens = job.sequences * job.seq_len * job.grad_accum * gpus // max(1, job.sequence_parallel)
     matmul = tokens / gpus * job.executed_per_token() / (cluster.gpu.peak_bf16_tflops * 1e12
                                                          * eff.compute_for(job.method, cluster.gpu))
     matmul *= eff.compiled if job.compiled else 1.0
     shard = job.trainable() / (gpus if job.stage >= 1 else 1)
     optimizer = shard * eff.step_s_per_param[optimizer_kind(job)] * (not job.offload_optimizer)
-    sent = bytes_per_step(job, gpus)
+    intra, inter = collective_s(bytes_per_step(job, gpus), cluster)
     intra_rate = cluster.gpu.intra_node_GBps * 1e9 * LINK_EFFICIENCY
-    intra = inter = 0.0
-    if cluster.nodes > 1:
-        if cluster.network is None:
-            from finetune_kit.errors import ConfigError
-
-            raise ConfigError(f"{cluster.nodes} nodes need the network between them for the speed: pass NETWORK= to "
-                              f"make plan (--network here), one of {', '.join(NETWORKS)} (ib400: 8 x 400 Gb/s "
-                              "InfiniBand NICs per node; --network-gbps overrides a profile's GB/s).")
-        inter_rate = cluster.network.per_node_GBps * 1e9 * LINK_EFFICIENCY / cluster.gpus_per_node
-        if inter_rate < intra_rate:
-            inter = sent / inter_rate
-        else:
-            intra = sent / intra_rate
-    else:
-        intra = sent / intra_rate
     if job.sequence_parallel > 1:
         a2a = job.grad_accum * all_to_all_bytes(job)
         in_node = min(job.sequence_parallel, cluster.gpus_per_node)
@@ -337,3 +366,20 @@ def predict(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) ->
     if job.offload_optimizer:
         offload = offload_pcie_s(job, cluster) + cpu_adam_s(job, cluster, eff)
     return Prediction(tokens, matmul, optimizer, intra, inter, offload)
+
+
+def reference_pass(job: Job, cluster: Cluster, efficiency: Efficiency | None = None) -> Prediction:
+    """DPO's precomputed reference (``Dpo("precomputed")``): the pass before training that runs the initial weights
+    forward, without gradients, over both sequences of every training pair, one micro-batch of ``job.micro_batch``
+    pairs per GPU at a time. A :class:`Prediction` of one such micro-batch (the time of T tokens: T /
+    (``tokens_per_s(gpus)`` x gpus)): the executed FLOPs of a forward (:func:`.preference.reference_forward_per_token`)
+    at the full fine-tune's fitted share of the peak (an assumption: no forward-only run is measured), and under
+    ZeRO-3/FSDP2 one gather of the bf16 weights. No optimizer, no offload."""
+    eff = efficiency or Efficiency()
+    gpus = cluster.gpus
+    tokens = job.sequences * job.seq_len * gpus // max(1, job.sequence_parallel)
+    per_token = reference_forward_per_token(job.shape, job.attention_per_token(), job.num_labels)
+    matmul = tokens / gpus * per_token / (cluster.gpu.peak_bf16_tflops * 1e12 * eff.compute_for("full", cluster.gpu))
+    sent = _ring(job.shape.total_params(job.num_labels) * BF16, gpus) if job.stage >= 3 and gpus > 1 else 0.0
+    intra, inter = collective_s(sent, cluster)
+    return Prediction(tokens, matmul, 0.0, intra, inter, 0.0)

@@ -1,7 +1,8 @@
 """Will it fit? The plan of one setup: model states (:mod:`.model_states`) and activations (:mod:`.activations`)
 per GPU and per node, with CUDA context and allocator overhead, against the GPUs' and hosts' memory; its verdict
 (fits, or how much is short) and, when it does not fit, the cheapest change that does (:func:`suggest`, by
-``COSTS``); :func:`check_fits`, what a train script runs before it loads anything.
+``COSTS``); :func:`check_fits`, what a train script runs before it loads anything. DPO's pairs and reference model
+add the terms of :mod:`.preference`.
 
 Memory is in bytes; tables show GiB (2**30 bytes).
 """
@@ -28,6 +29,7 @@ from finetune_kit.planning.model_states import (
     nvme_parts,
     zero3_model_states,
 )
+from finetune_kit.planning.preference import Dpo, check_reference, reference_memory, sequences_per_example
 
 GiB = 2**30
 log = logging.getLogger(__name__)
@@ -65,10 +67,19 @@ class Setup:
     engine: str = "deepspeed"  # "deepspeed" (stage, offload above) | "fsdp2" (full sharding, no offload)
     nvme: bool = False  # the offloads above go to an NVMe disk (ZeRO-Infinity) instead of host memory
     param_buffers: tuple[int, int] | None = None  # NVMe parameter buffers (count, elements); None: the builder's
+    dpo: Dpo | None = None  # preference pairs (preference.py): micro_batch counts pairs, two sequences each
+
+    def __post_init__(self) -> None:
+        check_reference(self.dpo, self.adapter)
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per micro-batch through the model: ``micro_batch``, twice that under DPO (chosen, rejected)."""
+        return self.micro_batch * sequences_per_example(self.dpo)
 
 
 # CUDA context, cuBLAS workspaces and NCCL buffers live outside PyTorch's allocator: NVML's used
@@ -150,6 +161,14 @@ class Plan:
             short.append(f"needs {cpu}{cpu_cap}, {-self.host_headroom_GiB:.1f} GiB short")
         return "does not fit: " + "; ".join(short)
 
+    def add(self, parts: dict[str, tuple[int, int]]) -> None:
+        """Each part's (host bytes per node, GPU bytes per GPU) into the plan; one of 0 bytes is listed on the GPU."""
+        for name, (cpu, gpu) in parts.items():
+            if gpu or not cpu:
+                self.gpu_parts[name] = gpu
+            if cpu:
+                self.host_parts[name] = cpu
+
     def to_dict(self) -> dict:
         """JSON-ready record (for run_info.json): inputs, parts in GiB, totals, verdict."""
         def gib(parts):
@@ -177,11 +196,7 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             raise ConfigError("the FSDP2 plan covers full fine-tuning without offload; plan LoRA/QLoRA and offload "
                               "with DeepSpeed (engine \"deepspeed\")")
         result.trainable_params = result.total_params
-        for name, (cpu, gpu) in fsdp2_model_states(shape, gpus=s.gpus, num_labels=s.num_labels).items():
-            if gpu:
-                result.gpu_parts[name] = gpu
-            if cpu:
-                result.host_parts[name] = cpu
+        result.add(fsdp2_model_states(shape, gpus=s.gpus, num_labels=s.num_labels))
         # torch's AdamW's step, after the backward: the sharded states and AdamW's foreach temporaries
         optimizer_step = ADAMW_FOREACH_BYTES * result.total_params // s.gpus
         sharded = (FP32 + FP32 + 2 * FP32) * result.total_params // s.gpus
@@ -213,14 +228,9 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
     else:
         result.trainable_params = shape.lora_params(s.adapter.rank, s.adapter.targets) + (
             shape.head_params(s.num_labels) if s.num_labels else 0)
-        for name, (cpu, gpu) in adapter_model_states(
-                shape, s.adapter, stage=s.stage, gpus=s.gpus, nodes=s.nodes, offload_optimizer=s.offload_optimizer,
-                offload_param=s.offload_param, num_labels=s.num_labels,
-                additional_buffer_factor=additional_buffer_factor).items():
-            if gpu:
-                result.gpu_parts[name] = gpu
-            if cpu:
-                result.host_parts[name] = cpu
+        result.add(adapter_model_states(
+            shape, s.adapter, stage=s.stage, gpus=s.gpus, nodes=s.nodes, offload_optimizer=s.offload_optimizer,
+            offload_param=s.offload_param, num_labels=s.num_labels, additional_buffer_factor=additional_buffer_factor))
         # Working set: ZeRO-3 gathers a whole module (and prefetches the next); bitsandbytes
         # dequantises one weight matrix to bf16 for each matmul.
         biggest_linear = max(i * o for i, o in shape.linear_shapes().values())
@@ -230,10 +240,14 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             result.gpu_parts["ZeRO-3 gathered weights"] = int(2 * largest_bytes)
         if s.adapter.quantized:
             result.gpu_parts["dequantised weight (bf16)"] = biggest_linear * BF16
+    if s.dpo is not None:
+        parts, resident = reference_memory(shape, s)
+        result.add(parts)
+        sharded += resident
     if s.sequence_parallel < 1 or s.gpus % s.sequence_parallel:
         raise ConfigError(f"sequence_parallel {s.sequence_parallel} must be at least 1 and divide the {s.gpus} "
                           "GPU(s): Ulysses groups are whole; pick a divisor of nodes x GPUs per node.")
-    act = activation_bytes(shape, s.micro_batch, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels,
+    act = activation_bytes(shape, s.sequences, s.seq_len, s.gradient_checkpointing, num_labels=s.num_labels,
                            loss_chunks=s.loss_chunks, recompute_every=s.recompute_every, kv_repeated=s.kv_repeated,
                            sequence_parallel=s.sequence_parallel, tiled_mlp=s.tiled_mlp)
     kept_label = "activations kept, " + ("all layers (no checkpointing)" if not s.gradient_checkpointing
@@ -248,7 +262,7 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
         chunked = f" (1/{s.loss_chunks} of the tokens at a time)" if s.loss_chunks and not s.num_labels else ""
         result.gpu_parts[f"logits + loss{chunked}"] = act["loss"]
     else:
-        tiled = f" (MLP in {tiled_mlp_shards(shape, s.micro_batch * -(-s.seq_len // s.sequence_parallel))} " \
+        tiled = f" (MLP in {tiled_mlp_shards(shape, s.sequences * -(-s.seq_len // s.sequence_parallel))} " \
                 "shards)" if s.tiled_mlp else ""
         result.gpu_parts[f"one layer recomputed in backward{tiled}"] = act["recompute"]
     if act["a2a"]:
@@ -267,7 +281,7 @@ def plan(model, setup: Setup, *, additional_buffer_factor: float = 1.5) -> Plan:
             result.gpu_parts[f"optimizer step beyond the backward's working set ({what})"] = optimizer_step - backward
     tensors = sum(result.gpu_parts.values())
     expandable = True if s.expandable_segments is None else s.expandable_segments  # None: the recipes' own setting
-    hidden_states = s.micro_batch * -(-s.seq_len // s.sequence_parallel) * shape.hidden_size * BF16
+    hidden_states = s.sequences * -(-s.seq_len // s.sequence_parallel) * shape.hidden_size * BF16
     short_context = ZERO3_FRAGMENTATION if s.engine != "fsdp2" and optimizer_step else FRAGMENTATION
     share = LONG_CONTEXT_FRAGMENTATION[expandable] if hidden_states >= LONG_CONTEXT_TENSOR_BYTES else short_context
     result.gpu_parts["CUDA context + allocator"] = int(CUDA_CONTEXT_GIB * GiB + share * tensors)
@@ -436,7 +450,8 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
               gradient_checkpointing: bool, gpus_per_node: int | None = None, adapter: Adapter | None = None,
               num_labels: int | None = None, loss_chunks: int = 0, offload_activations: bool = False,
               recompute_every: int = 1, sequence_parallel: int = 1, tiled_mlp: bool = False,
-              kv_repeated: bool = True, expandable_segments: bool | None = None, gpu_memory_GiB: float | None = None,
+              kv_repeated: bool = True, expandable_segments: bool | None = None, dpo: Dpo | None = None,
+              gpu_memory_GiB: float | None = None,
               memory_cap_GiB: float | None = None, host_memory_GiB: float | None = None, skip: bool = False,
               skip_flag: str = "--skip-memory-check", flags: dict | None = None, report=None) -> Plan:
     """Predict this launch's memory; raise ConfigError with the verdict and the fix if it does not fit.
@@ -449,7 +464,8 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
     suggestion (keys micro_batch, grad_accum, gradient_checkpointing). ``report`` receives the
     prediction line; by default the module logger, or stderr on rank 0 when logging is not set up.
     ``sequence_parallel``, ``tiled_mlp``, ``kv_repeated`` and ``expandable_segments``: the launch's Ulysses degree,
-    TiledMLP, whether SDPA repeats k and v (a padding mask reaches it) and the allocator (see :class:`Setup`).
+    TiledMLP, whether SDPA repeats k and v (a padding mask reaches it) and the allocator (see :class:`Setup`);
+    ``dpo``: DPO's pairs and reference (``micro_batch`` then counts pairs).
     """
     import sys
 
@@ -463,11 +479,10 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
     if gpu_memory_GiB is None:
         gpu_memory_GiB = local_gpu_memory_GiB(memory_cap_GiB)
     fields = dict(gpu_memory_GiB=gpu_memory_GiB, host_memory_GiB=host_memory_GiB, micro_batch=micro_batch,
-                  seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, adapter=adapter,
-                  num_labels=num_labels,
-                  loss_chunks=loss_chunks, offload_activations=offload_activations, recompute_every=recompute_every,
-                  sequence_parallel=sequence_parallel, tiled_mlp=tiled_mlp, kv_repeated=kv_repeated,
-                  expandable_segments=expandable_segments)
+                  seq_len=seq_len, gradient_checkpointing=gradient_checkpointing, adapter=adapter, dpo=dpo,
+                  num_labels=num_labels, loss_chunks=loss_chunks, offload_activations=offload_activations,
+                  recompute_every=recompute_every, sequence_parallel=sequence_parallel, tiled_mlp=tiled_mlp,
+                  kv_repeated=kv_repeated, expandable_segments=expandable_segments)
     setup = setup_for_launch(ds_config, world_size=world_size, gpus_per_node=gpus_per_node, **fields)
     result = plan(model_config, setup)
     report(f"memory plan: {result.verdict()}")
@@ -476,8 +491,7 @@ def check_fits(model_config, ds_config: dict | None, *, world_size: int, micro_b
         fix_text = f"Cheapest change that fits: {fix}." if fix else "Nothing the planner tries fits: use a " \
                                                                     "smaller model or larger GPUs."
         message = (f"predicted memory for ZeRO-{setup.stage}, micro-batch {micro_batch} x {seq_len} tokens, "
-                   f"{world_size} GPU(s): {result.verdict()}. {fix_text} "
-                   f"(Pass {skip_flag} to launch anyway.)")
+                   f"{world_size} GPU(s): {result.verdict()}. {fix_text} (Pass {skip_flag} to launch anyway.)")
         if skip:
             report(f"warning: {message}")
         else:

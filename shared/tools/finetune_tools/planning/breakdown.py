@@ -1,9 +1,9 @@
 """What ``make plan`` and the README tables show of a plan and a prediction beyond what ``--levers auto`` ranks with:
-memory by kind and on disk, the speed's range and its terms."""
+memory by kind and on disk, the speed's range and its terms, DPO's pairs per second and its reference pass."""
 
 from __future__ import annotations
 
-from finetune_kit.planning.speed import Prediction
+from finetune_kit.planning.speed import Cluster, Job, Prediction, reference_pass
 from finetune_kit.planning.verdict import OVERHEAD_PART, Plan
 
 ACTIVATION_PARTS = ("activations", "logits", "one layer")  # how verdict.plan names its activation parts
@@ -40,3 +40,19 @@ def dominant(pred: Prediction) -> str:
     """The largest term."""
     found = terms(pred)
     return max(found, key=found.get)
+
+
+def dpo_rows(job: Job, cluster: Cluster, efficiency, pred, tokens: float | None) -> list[list[str]]:
+    """DPO's rows of the speed table: pairs per second (the tokens above count chosen and rejected sequences both),
+    and for a precomputed reference its pass over the training pairs before training, forward only."""
+    if job.dpo is None:
+        return []
+    pairs = pred.tokens_per_s(cluster.gpus) * cluster.gpus / (job.sequences // job.micro_batch * job.seq_len)
+    rows = [["DPO pairs/s, all GPUs", f"{pairs:,.1f} (tokens above: chosen + rejected, reference: "
+                                      f"{job.dpo.reference})"]]
+    if job.dpo.reference == "precomputed":
+        rate = reference_pass(job, cluster, efficiency).tokens_per_s(cluster.gpus)
+        when = (f"{tokens / (rate * cluster.gpus) / 3600:,.2f} h for {tokens:,.0f} tokens, before training" if tokens
+                else "pass --tokens for its time")
+        rows.append(["DPO reference pass (once, forward only)", f"{rate:,.0f} tokens/s per GPU; {when}"])
+    return rows

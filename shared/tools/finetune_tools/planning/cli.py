@@ -4,6 +4,8 @@
         --nodes 1 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 4 --seq-len 2048
     python -m finetune_tools.planning --model llama3.3-70b --qlora --lora-rank 16 --stage 3 --gpus-per-node 1
     python -m finetune_tools.planning --model llama3-8b --fsdp2 --gpus-per-node 8 --micro-batch-size 4 --seq-len 2048
+    python -m finetune_tools.planning --model llama3-8b --gpu h100 --gpus-per-node 8 --dpo-reference precomputed \
+        --tokens 1e8   # DPO: micro-batches of pairs, the reference's memory and its pass before training
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3     # every setup of its memory_plan.json
     python -m finetune_tools.planning --recipe recipes/llama3-8b-zero3 --peft qlora --gpu rtx4090 \
         --gpus-per-node 1          # the recipe's defaults as QLoRA on one RTX 4090 (make plan ... PEFT=qlora)
@@ -25,10 +27,13 @@ A recipe lists its setups in ``recipes/<name>/memory_plan.json``::
                  "gpus_per_node": 8, "gpu_memory_GiB": 80, "host_memory_GiB": 1000}]}
 
 A setup's ``config`` is a DeepSpeed JSON, or an accelerate YAML (``.yaml``) for an FSDP2 launch.
-Each setup may override micro_batch, seq_len and gradient_checkpointing. ``"adapter"`` is the method the recipe trains
-by default (null: every weight; ``{"rank": 16, "quantized": true}``: QLoRA) and ``"peft"``, where present, the
-``--peft`` values it takes (all of none, lora and qlora otherwise); ``--peft`` plans its setups with another of
-them (the FSDP2 setups left out: the recipes train adapters under DeepSpeed ZeRO).
+Each setup may override micro_batch, seq_len and gradient_checkpointing. A DPO recipe adds ``"dpo": {"reference":
+"precomputed"}`` (or ``"sharded"``; at the top or in a setup, ``finetune_kit.planning.preference``): its
+micro_batch then counts pairs, and a plan with adapters takes the base with the adapters off as its reference.
+``"adapter"`` is the method the recipe trains by default (null: every weight; ``{"rank": 16, "quantized": true}``:
+QLoRA) and ``"peft"``, where present, the ``--peft`` values it takes (all of none, lora and qlora otherwise);
+``--peft`` plans its setups with another of them (the FSDP2 setups left out: the recipes train adapters under
+DeepSpeed ZeRO).
 ``finetune_tools.planning.recipe_tables`` makes the README's memory table of those setups;
 ``python -m finetune_tools.repo readmes`` (``make readmes``) writes it into the recipe's README.md.
 """
@@ -45,6 +50,7 @@ from finetune_kit import command_line
 from finetune_kit.errors import UserInputError
 from finetune_kit.planning import levers
 from finetune_kit.planning.hardware import GPUS, NETWORKS, gpu_profile, network_profile
+from finetune_kit.planning.preference import REFERENCES, Dpo
 from finetune_kit.planning.speed import HOST_CORES, HOST_MEMORY_GBPS, Cluster, Job, calibrated, job_for, predict
 from finetune_kit.planning.verdict import (
     Plan,
@@ -61,6 +67,7 @@ from finetune_tools.planning.long_context import alst_levers, longest_context
 from finetune_tools.planning.recipe_tables import (
     PEFT,
     adapter_for,
+    batch_shape,
     first_setup,
     gib,
     recipe_adapter,
@@ -82,8 +89,9 @@ def describe_setup(s: Setup) -> str:
     long_context = [w for w, on in ((f"Ulysses SP {s.sequence_parallel}", s.sequence_parallel > 1),
                                     ("tiled MLP", s.tiled_mlp), ("activations offloaded", s.offload_activations),
                                     (f"loss in {s.loss_chunks} chunks", s.loss_chunks > 0)) if on]
+    dpo = "" if s.dpo is None else f" DPO (reference: {s.dpo.reference}),"
     return (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s), {sharding}, offload: {', '.join(offload) or 'none'}, "
-            f"{method}, micro-batch {s.micro_batch} x {s.seq_len} tokens, gradient checkpointing "
+            f"{method},{dpo} micro-batch {batch_shape(s)} x {s.seq_len} tokens, gradient checkpointing "
             f"{'on' if s.gradient_checkpointing else 'off'}" + "".join(f", {w}" for w in long_context))
 
 
@@ -159,6 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--qlora", action="store_true", help="the same as --peft qlora")
     run.add_argument("--lora-targets", help="all-linear (the default) or comma-separated module names")
     run.add_argument("--num-labels", type=int, help="sequence classification head instead of the LM head")
+    run.add_argument("--dpo-reference", choices=REFERENCES,
+                     help="plan DPO (micro-batches of chosen/rejected pairs) with this reference model: adapters-off "
+                          "(LoRA/QLoRA: the base with the adapters disabled), precomputed (full weights: log-probs "
+                          "cached in a pass before training) or sharded (full weights: a bf16 copy partitioned like "
+                          "the policy); default: not DPO, or the recipe's memory_plan.json \"dpo\"")
     run.add_argument("--fp8", choices=("none", *FP8_PUBLISHED), default="none",
                      help="with --gpu: the predicted speed of torchao's float8 linear layers (the recipes' --fp8) "
                           "beside bf16's")
@@ -220,7 +233,8 @@ def setup_from_args(args) -> Setup:
                   seq_len=2048 if args.seq_len == MAX_SEQ else args.seq_len,
                   gradient_checkpointing=args.gradient_checkpointing, recompute_every=args.recompute_every,
                   loss_chunks=args.loss_chunks, offload_activations=args.offload_activations, adapter=adapter,
-                  num_labels=args.num_labels, sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp)
+                  num_labels=args.num_labels, sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp,
+                  dpo=Dpo(args.dpo_reference) if args.dpo_reference else None)
     setup = setup_for_launch(None if args.fsdp2 else ds, world_size=args.nodes * args.gpus_per_node,
                              gpus_per_node=args.gpus_per_node, **fields)
     if args.fsdp2:
@@ -284,8 +298,9 @@ def render_best(p: Plan, args, recipe: Path | None) -> str:
                      launch + o.flags()])
     first = ranked[0]
     method = "full fine-tuning" if p.setup.adapter is None else method_name(p.setup.adapter)
+    examples = "sequences" if p.setup.dpo is None else "DPO pairs (two sequences each)"
     head = (f"settings ranked for {method} on {cluster.gpus} x {cluster.gpu.name}, {p.setup.micro_batch * grad_accum} "
-            f"sequences of {p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); "
+            f"{examples} of {p.setup.seq_len:,} tokens per GPU per optimizer step (the global batch every line keeps); "
             f"the first line is the fastest that fits with {100 * levers.HEADROOM:.0f}% of "
             f"{p.setup.gpu_memory_GiB:g} GiB free"
             + ("" if first.fits() else " -- none does: the first is the fastest of those that fit with less"
@@ -328,6 +343,7 @@ def render_speed(p: Plan, args) -> str:
         rows.append([f"{tokens:,.0f} tokens", f"{hours:,.1f} h, {hours * cluster.gpus:,.0f} GPU-hours"
                      + (f", {hours * cluster.gpus * args.price:,.0f} at {args.price:g} per GPU-hour"
                         if args.price else "")])
+    rows += breakdown.dpo_rows(job, cluster, efficiency, pred, tokens)
     rows.append(["cheapest change that helps", cheapest_change(job, cluster, efficiency, pred)])
     where = f"{cluster.gpus} x {cluster.gpu.name}" + (f", {network.description}" if network else "")
     if job.offload_optimizer:
@@ -419,7 +435,8 @@ def main(argv=None) -> int:
         raise UserInputError(f"--fp8 {args.fp8} predicts a speed: it needs --gpu ({', '.join(GPUS)}).")
     adapter = recipe_adapter(args.recipe, peft_of(args), args.lora_rank, args.lora_targets) if args.recipe else None
     if args.recipe and args.gpu:  # one setup: the recipe's first config on the hardware given
-        entry, shape, s = first_setup(args.recipe, adapter, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        entry, shape, s = first_setup(args.recipe, adapter, args.dpo_reference, nodes=args.nodes,
+                                      gpus_per_node=args.gpus_per_node,
                                       gpu_memory_GiB=args.gpu_memory_GiB, host_memory_GiB=args.host_memory_GiB,
                                       sequence_parallel=args.sequence_parallel)
         s = replace(s, tiled_mlp=args.tiled_mlp or s.tiled_mlp)
@@ -434,7 +451,7 @@ def main(argv=None) -> int:
         print(f"== {args.recipe.name} ({entry['config']})\n{render_plan(p)}\n\n{render_speed(p, args)}")
         return 0
     if args.recipe:
-        for entry, p in recipe_plans(args.recipe, adapter):
+        for entry, p in recipe_plans(args.recipe, adapter, args.dpo_reference):
             print(f"== {entry.get('label', '')} ({entry['config']})\n{render_plan(p)}\n")
         return 0
     if not args.model:

@@ -1,5 +1,6 @@
 """A recipe's memory setups (``recipes/<name>/memory_plan.json``), planned with the method it trains by default or the
-one asked (``--peft none|lora|qlora``, the recipes' flag), and the README tables of their predictions."""
+one asked (``--peft none|lora|qlora``, the recipes' flag) and, for a DPO recipe, its reference (``"dpo"``), and the
+README tables of their predictions."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from finetune_kit.errors import UserInputError
 from finetune_kit.models.shapes import Adapter, ModelShape, resolve_model
+from finetune_kit.planning.preference import Dpo, default_reference
 from finetune_kit.planning.verdict import GiB, Plan, Setup, plan, setup_for_launch, suggest
 from finetune_tools.planning import breakdown
 from finetune_tools.tables import markdown_table
@@ -103,14 +105,36 @@ def fsdp2_config(entry: dict) -> bool:
 
 
 RECIPES_OWN = object()  # recipe_setups' adapter: the recipe's memory_plan.json's
+DPO_KEYS = ("reference",)  # what a memory_plan.json's "dpo" object may hold
 
 
-def recipe_setups(recipe_dir: Path, key: str = "setups", adapter=RECIPES_OWN
+def dpo_of(value, adapter: Adapter | None, reference: str | None = None, *, where: str = "memory_plan.json"
+           ) -> Dpo | None:
+    """The DPO training a memory_plan.json's ``"dpo"`` value declares (null or absent: not DPO): ``{"reference":
+    ...}``, one of ``preference.REFERENCES`` (``{}``: precomputed). The declared reference is the full-weight run's: a
+    plan with ``adapter`` (``--peft lora|qlora``) takes the base with the adapters off, the only reference adapters
+    have. ``reference`` (``--dpo-reference``) replaces either, and plans DPO where the recipe declares none."""
+    if value is not None and not isinstance(value, dict):
+        raise UserInputError(f'{where}: "dpo": {json.dumps(value)} is not an object: write "dpo": {{"reference": '
+                             '"precomputed"}, or leave "dpo" out for a recipe that is not DPO.')
+    unknown = sorted(set(value or {}) - set(DPO_KEYS))
+    if unknown:
+        raise UserInputError(f'{where}: "dpo" has {", ".join(unknown)}; it takes {", ".join(DPO_KEYS)} only '
+                             '(e.g. "dpo": {"reference": "sharded"}). Remove the others.')
+    if reference is None and value is None:
+        return None
+    if reference is None and adapter is not None:
+        return Dpo(default_reference(adapter))
+    return Dpo(reference or value.get("reference") or default_reference(adapter))
+
+
+def recipe_setups(recipe_dir: Path, key: str = "setups", adapter=RECIPES_OWN, dpo_reference: str | None = None
                   ) -> tuple[ModelShape, list[tuple[dict, Setup]]]:
     """The model shape of the recipe's memory_plan.json and each entry of its ``key`` list
     ("setups": the memory table's; "speed": the speed table's) with the Setup it describes, with the recipe's own
     adapter or ``adapter`` (None: a full fine-tune; :func:`recipe_adapter` makes one from --peft). With an adapter,
-    the FSDP2 entries are left out: the recipes train adapters under DeepSpeed ZeRO only."""
+    the FSDP2 entries are left out: the recipes train adapters under DeepSpeed ZeRO only. DPO: the entry's ``"dpo"``,
+    else the file's (:func:`dpo_of`), or ``dpo_reference``'s."""
     spec = read_spec(recipe_dir)
     if adapter is RECIPES_OWN:
         adapter = Adapter(**spec["adapter"]) if spec.get("adapter") else None
@@ -125,23 +149,27 @@ def recipe_setups(recipe_dir: Path, key: str = "setups", adapter=RECIPES_OWN
         config = recipe_dir / entry["config"]
         ds = None if fsdp2_config(entry) else json.loads(config.read_text())  # .yaml: FSDP2's
         nodes, per_node = fields.pop("nodes", 1), fields.pop("gpus_per_node", Setup.gpus_per_node)
+        dpo = dpo_of(entry["dpo"] if "dpo" in entry else spec.get("dpo"), adapter, dpo_reference,
+                     where=f"{recipe_dir / 'memory_plan.json'}")
         out.append((entry, setup_for_launch(ds, world_size=nodes * per_node, gpus_per_node=per_node, adapter=adapter,
-                                            num_labels=spec.get("num_labels"), **fields)))
+                                            num_labels=spec.get("num_labels"), dpo=dpo, **fields)))
     return resolve_model(model), out
 
 
-def first_setup(recipe_dir: Path, adapter=RECIPES_OWN, **hardware) -> tuple[dict, ModelShape, Setup]:
-    """The recipe's first memory setup (its main launch config at memory_plan.json's defaults), with ``adapter`` (as
-    :func:`recipe_setups`), moved to ``hardware`` (Setup fields: nodes, gpus_per_node, gpu_memory_GiB, ...): what
-    ``make plan RECIPE=... GPU=...`` plans."""
-    shape, setups = recipe_setups(recipe_dir, adapter=adapter)
+def first_setup(recipe_dir: Path, adapter=RECIPES_OWN, dpo_reference: str | None = None, **hardware
+                ) -> tuple[dict, ModelShape, Setup]:
+    """The recipe's first memory setup (its main launch config at memory_plan.json's defaults), with ``adapter`` and
+    ``dpo_reference`` (as :func:`recipe_setups`), moved to ``hardware`` (Setup fields: nodes, gpus_per_node,
+    gpu_memory_GiB, ...): what ``make plan RECIPE=... GPU=...`` plans."""
+    shape, setups = recipe_setups(recipe_dir, adapter=adapter, dpo_reference=dpo_reference)
     entry, setup = setups[0]
     return entry, shape, replace(setup, **hardware)
 
 
-def recipe_plans(recipe_dir: Path, adapter=RECIPES_OWN) -> list[tuple[dict, Plan]]:
-    """Each setup of the recipe's memory table with its plan (``adapter``: as :func:`recipe_setups`)."""
-    shape, setups = recipe_setups(recipe_dir, adapter=adapter)
+def recipe_plans(recipe_dir: Path, adapter=RECIPES_OWN, dpo_reference: str | None = None) -> list[tuple[dict, Plan]]:
+    """Each setup of the recipe's memory table with its plan (``adapter``, ``dpo_reference``: as
+    :func:`recipe_setups`)."""
+    shape, setups = recipe_setups(recipe_dir, adapter=adapter, dpo_reference=dpo_reference)
     return [(entry, plan(shape, setup)) for entry, setup in setups]
 
 
@@ -161,7 +189,7 @@ def recipe_table(recipe_dir: Path) -> str:
         if p.disk_parts:
             cpu += f" (+ {gib(breakdown.disk_bytes(p))} on NVMe)"
         rows.append([entry.get("label", f"{s.nodes} x {s.gpus_per_node} GPUs"), f"`{entry['config']}`",
-                     f"{s.micro_batch} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
+                     f"{batch_shape(s)} x {s.seq_len}", "on" if s.gradient_checkpointing else "off",
                      gib(kinds["model states"]), gib(kinds["activations"]), gib(kinds["overhead"]),
                      f"**{gib(p.gpu_bytes)}** of {s.gpu_memory_GiB:g}", cpu, verdict])
     shape = plans[0][1].model
@@ -205,6 +233,13 @@ def long_context_table(recipe_dir: Path) -> str:
     header = ["setup", "config", "tokens per sequence", "flags", "activations", "total / GPU", "host RAM / node",
               "verdict"]
     return note + "\n\n" + markdown_table(header, rows)
+
+
+def batch_shape(setup: Setup) -> str:
+    """A micro-batch's examples: "4", or under DPO "4 pairs (8 sequences)"."""
+    if setup.dpo is None:
+        return f"{setup.micro_batch}"
+    return f"{setup.micro_batch} pair{'s' * (setup.micro_batch != 1)} ({setup.sequences} sequences)"
 
 
 def logits_note(setup) -> str:
