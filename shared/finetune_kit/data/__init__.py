@@ -1,7 +1,8 @@
 """What the model reads: instruction data in several formats (:mod:`.formats`) rendered by chat
 templates (:mod:`.templates`), labelled (:mod:`.loss_mask`) and tokenised (:mod:`.instructions`, with
 :mod:`.counts` of what it kept), batched padded or packed (:mod:`.batching`); review CSVs (:mod:`.reviews`);
-preference pairs (:mod:`.preferences`) and their token ids (:mod:`.preference_tokens`); the shipped samples (``samples/``). The names a recipe needs are importable from here."""
+preference pairs (:mod:`.preferences`) and their token ids (:mod:`.preference_tokens`); the shipped samples
+(``samples/``). The names a recipe needs are importable from here."""
 
 from importlib import import_module
 from typing import TYPE_CHECKING
