@@ -34,12 +34,8 @@ def test_a_pair_is_its_prompt_then_each_answer_with_its_end_of_turn(tokenizer):
         assert row["prompt_ids"] + row[side] == ids_of(tokenizer, template, [USER, answer])
         text = tokenizer.decode(row[side])
         assert answer["content"] in text and USER["content"] not in text  # the loss is on the answer alone
-        assert row[side][-1] in data_end_of_turn(tokenizer, template)
+        assert row[side][-1] in templates.end_of_turn_ids(tokenizer, template)
     assert row["prompt_ids"] == ids_of(tokenizer, template, [USER], generation_prompt=True)
-
-
-def data_end_of_turn(tokenizer, template) -> list[int]:
-    return templates.end_of_turn_ids(tokenizer, template)
 
 
 def test_a_long_pair_keeps_its_start_at_max_seq_len(tokenizer):
