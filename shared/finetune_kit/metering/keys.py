@@ -47,10 +47,31 @@ LOSS_SCALE = Metric("loss_scale", "1", "scale", "fp16 dynamic loss scale after t
 SKIPPED_STEPS = Metric("skipped_steps", "steps", "skipped",
                        "optimizer steps skipped so far because fp16 gradients overflowed (fp16 runs only)")
 
+# Preference tuning (DPO), from TRL's DPOTrainer: the reward of an answer is beta x (policy - reference) log-probability
+# of its tokens; each figure is the mean over the step's pairs, all ranks.
+REWARD_CHOSEN = Metric("reward_chosen", "nats", "r_chosen", "beta x log-probability ratio (policy / reference) of the "
+                       "chosen answers, mean over the step's pairs")
+REWARD_REJECTED = Metric("reward_rejected", "nats", "r_rejected", "the same for the rejected answers")
+REWARD_MARGIN = Metric("reward_margin", "nats", "margin", "chosen reward - rejected reward, mean over the step's pairs")
+PREFERENCE_ACCURACY = Metric("preference_accuracy", "1", "pref_acc", "share of the step's pairs whose chosen reward is "
+                             "strictly above the rejected one (0 where the policy equals the reference)")
+LOGPS_CHOSEN = Metric("logps_chosen", "nats", "logp_chosen", "the policy's log-probability of each chosen answer (sum "
+                      "over its tokens), mean over the step's pairs")
+LOGPS_REJECTED = Metric("logps_rejected", "nats", "logp_rejected", "the same for the rejected answers")
+PREFERENCE = {"rewards/chosen": REWARD_CHOSEN, "rewards/rejected": REWARD_REJECTED, "rewards/margins": REWARD_MARGIN,
+              "rewards/accuracies": PREFERENCE_ACCURACY, "logps/chosen": LOGPS_CHOSEN,
+              "logps/rejected": LOGPS_REJECTED}  # TRL's log names -> ours
+
+
+def preference(logs: dict, prefix: str = "") -> dict[str, float]:
+    """The DPO figures TRL put in a Trainer log (``prefix`` "eval_" for an evaluation's), under our keys."""
+    return {metric.key: float(logs[prefix + name]) for name, metric in PREFERENCE.items() if prefix + name in logs}
+
+
 # metrics.jsonl columns, in order; absent ones (MFU on CPU, GPU memory without CUDA) are left out.
-STEP_METRICS = (STEP, EPOCH, LOSS, LR, GRAD_NORM, TOKENS, PADDING_FRACTION, TOKENS_PER_S, TOKENS_PER_S_PER_DEVICE,
-                TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS, LOSS_SCALE,
-                SKIPPED_STEPS)
+STEP_METRICS = (STEP, EPOCH, LOSS, LR, GRAD_NORM, *PREFERENCE.values(), TOKENS, PADDING_FRACTION, TOKENS_PER_S,
+                TOKENS_PER_S_PER_DEVICE, TFLOPS_PER_DEVICE, MFU, STEP_TIME, GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE,
+                HOST_RSS, LOSS_SCALE, SKIPPED_STEPS)
 MEMORY = (GPU_ALLOCATED, GPU_RESERVED, GPU_DEVICE, HOST_RSS)
 
 

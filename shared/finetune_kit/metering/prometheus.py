@@ -66,6 +66,7 @@ STEP_SERIES = (
     _mirror(keys.TFLOPS_PER_DEVICE, "model_tflops_per_second_per_device"), _mirror(keys.MFU, "mfu_percent"),
     _mirror(keys.STEP_TIME, "step_time_seconds"), _mirror(keys.LOSS_SCALE, "loss_scale"),
     _mirror(keys.SKIPPED_STEPS, "skipped_steps"),
+    *(_mirror(metric, "dpo_" + metric.key) for metric in keys.PREFERENCE.values()),  # DPO runs only
 )
 RANK_TOKENS = Series(PREFIX + "rank_tokens", "counter", "real (non-padding) tokens this rank trained on (tokens)")
 GPU_MEMORY = Series(PREFIX + "gpu_memory_bytes", "gauge",
