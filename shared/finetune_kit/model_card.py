@@ -114,11 +114,15 @@ def _eval_results(task: str, info: dict, summary: dict | None, hub_datasets: lis
 
     held_out = hub_datasets[0] if len(hub_datasets) == 1 else "heldout"
     results = []
-    for metric, key, name in (("loss", "eval_loss", "validation loss (nats/token)"),
-                              ("accuracy", "eval_accuracy", "validation accuracy")):
-        if info.get(key) is not None:
+    dpo = bool(info.get("details", {}).get("dpo"))
+    final = dict(info, **(info.get("evals") or [{}])[-1])  # a DPO run's last evaluation holds its preference figures
+    for metric, key, name in (("loss", "eval_loss", "validation DPO loss (nats per pair)" if dpo
+                               else "validation loss (nats/token)"),
+                              ("accuracy", "eval_accuracy", "validation accuracy"),
+                              ("accuracy", "eval_preference_accuracy", "held-out preference accuracy")):
+        if final.get(key) is not None:
             results.append(EvalResult(task_type=task, dataset_type=held_out, dataset_name="held-out split",
-                                      dataset_split="validation", metric_type=metric, metric_value=info[key],
+                                      dataset_split="validation", metric_type=metric, metric_value=final[key],
                                       metric_name=name))
     for name, metrics in (summary or {}).get("tasks", {}).items():
         for metric, value in metrics.items():
@@ -252,6 +256,10 @@ def _settings(record: dict, info: dict, settings: dict) -> list[tuple[str, objec
         if lora.get("quant_type"):
             rows.append(("4-bit base", f"{lora['quant_type']}, double quantization {lora['double_quant']}, "
                                        f"stored as {lora['quant_storage']}"))
+    dpo = info.get("details", {}).get("dpo")
+    if dpo:  # preference tuning: a micro-batch counts pairs, two sequences each
+        rows.append(("preference tuning", f"{dpo['method']}, loss {'+'.join(dpo['loss_type'])}, beta {dpo['beta']:g}"))
+        rows.append(("DPO reference", f"{dpo['reference']} (`{dpo['reference_model']}` as loaded)"))
     for key in ("sequence_parallel", "fp8"):
         if t.get(key) not in (None, 1, False, "none"):
             rows.append((key.replace("_", " "), t[key]))
@@ -280,8 +288,15 @@ def _evaluation(info: dict, summary: dict | None) -> list[str]:
     lines = ["## Evaluation", ""]
     if info.get("eval_loss") is not None:
         accuracy = f", accuracy {info['eval_accuracy']:.3f}" if info.get("eval_accuracy") is not None else ""
-        lines.append(f"Validation at the end of training: loss {info['eval_loss']:.4f} (nats/token){accuracy} on "
+        unit = "DPO loss, nats per pair" if info.get("details", {}).get("dpo") else "nats/token"
+        lines.append(f"Validation at the end of training: loss {info['eval_loss']:.4f} ({unit}){accuracy} on "
                      f"{len(info.get('eval_example_ids', []))} held-out rows.")
+    preference = [e for e in info.get("evals", []) if e.get("eval_preference_accuracy") is not None]
+    if preference:  # DPO: held-out pairs before the first step and after the last
+        lines += ["", "Held-out preference pairs (accuracy: chosen reward strictly above rejected; margin in nats):",
+                  "", "| step | accuracy | mean margin |", "|---|---|---|"]
+        lines += [f"| {e['step']} | {e['eval_preference_accuracy']:.3f} | {e.get('eval_reward_margin', 0.0):.4f} |"
+                  for e in preference]
     if summary:
         lines += ["", f"lm-evaluation-harness {summary.get('lm_eval', '')} on `{summary.get('model', '')}` "
                       f"({summary.get('device', '')}, {summary.get('dtype', '')}):", "",

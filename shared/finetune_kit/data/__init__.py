@@ -15,6 +15,8 @@ _LAZY = {
     "tokenize_conversation": "finetune_kit.data.loss_mask",
     "DataCounts": "finetune_kit.data.counts",
     **dict.fromkeys(("ChatTemplate", "chat_template", "end_of_turn_ids"), "finetune_kit.data.templates"),
+    **dict.fromkeys(("load_pairs", "check_room"), "finetune_kit.data.preferences"),
+    **dict.fromkeys(("holdout_pairs", "tokenize_pairs"), "finetune_kit.data.preference_tokens"),
 }
 __all__ = list(_LAZY)
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
         tokenize_rows,
     )
     from finetune_kit.data.loss_mask import tokenize_conversation
+    from finetune_kit.data.preference_tokens import holdout_pairs, tokenize_pairs
+    from finetune_kit.data.preferences import check_room, load_pairs
     from finetune_kit.data.templates import ChatTemplate, chat_template, end_of_turn_ids
 
 

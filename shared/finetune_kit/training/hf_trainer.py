@@ -112,7 +112,7 @@ class MeteringCallback(TrainerCallback):
         record = {keys.STEP.key: state.global_step, keys.EPOCH.key: state.epoch, keys.LOSS.key: logs["loss"],
                   keys.LR.key: logs.get("learning_rate"),
                   **({keys.GRAD_NORM.key: float(logs["grad_norm"])} if logs.get("grad_norm") is not None else {}),
-                  **self.rate.as_metrics(), **peak_memory.peaks(),
+                  **keys.preference(logs), **self.rate.as_metrics(), **peak_memory.peaks(),
                   **keys.loss_scaling(getattr(self.trainer, "model_wrapped", None))}
         if self.endpoint is not None:
             self.endpoint.update(record)
@@ -197,9 +197,10 @@ class RoomToSaveCallback(TrainerCallback):
 
 # ---- the Trainer of a recipe ----
 
-def training_arguments(checked, trainer_kwargs: dict, **fixed):
-    """``TrainingArguments`` from the parsed flags (``trainer_kwargs``, bf16/fp16 filled from the JSON by the
-    checks) and ``fixed`` (what the recipe's code relies on). ``ddp_timeout`` left as None becomes
+def training_arguments(checked, trainer_kwargs: dict, arguments: type | None = None, **fixed):
+    """``arguments`` (``TrainingArguments``, or a subclass such as TRL's ``DPOConfig``) from the parsed flags
+    (``trainer_kwargs``, bf16/fp16 filled from the JSON by the checks) and ``fixed`` (what the recipe's code relies
+    on). ``ddp_timeout`` left as None becomes
     FINETUNE_COLLECTIVE_TIMEOUT_S (600 s by default). On a CPU-only machine the DeepSpeed state is set
     up first (``launch.accelerator.trainer_cpu_overrides``). Raises now what transformers noted and would
     raise only inside ``trainer.train()``."""
@@ -214,7 +215,7 @@ def training_arguments(checked, trainer_kwargs: dict, **fixed):
     kwargs = {**trainer_kwargs, **fixed}
     if kwargs.get("ddp_timeout") is None:
         kwargs["ddp_timeout"] = collective_timeout_s()
-    args = TrainingArguments(**{**kwargs, **trainer_cpu_overrides()})
+    args = (arguments or TrainingArguments)(**{**kwargs, **trainer_cpu_overrides()})
     config_checks.check_trainer_mismatches(args, source=str(checked.ds_path))
     return args
 
@@ -228,17 +229,20 @@ def check_enough_data(args, train_examples: int) -> None:
                           "--gradient_accumulation_steps, or add data.")
 
 
-def metered_trainer(checked, recipe_args, args, **trainer_kwargs) -> MeteredTrainer:
-    """A :class:`MeteredTrainer` on ``args`` (metered like the accelerate loops), which checkpoints before a
-    stop signal ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. The recipe
-    holds the output folder around it (``training.hold_output``)."""
+def metered_trainer(checked, recipe_args, args, trainer: type = MeteredTrainer, flop_counter: FlopCounter | None = None,
+                    **trainer_kwargs) -> MeteredTrainer:
+    """A :class:`MeteredTrainer` (or its subclass ``trainer``) on ``args``, metered like the accelerate loops
+    (``flop_counter``: the model's FLOPs per token, by default its shape's), which checkpoints before a stop signal
+    ends it, checks the disk before each save and resumes DeepSpeed's CPU Adam exactly. The recipe holds the output
+    folder around it (``training.hold_output``)."""
     from finetune_kit.launch.startup import import_muon_uncompiled
     from finetune_kit.metering import prometheus
 
     import_muon_uncompiled(checked.ds_config)  # DeepSpeed's ZeRO check would import it with torch.compile's set-up
-    trainer = MeteredTrainer(args=args, flop_counter=FlopCounter(checked.shape, num_labels=checked.num_labels),
-                             metrics_dir=checked.output, endpoint=prometheus.open_endpoint(checked.recipe),
-                             offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)
+    flop_counter = flop_counter or FlopCounter(checked.shape, num_labels=checked.num_labels)
+    trainer = trainer(args=args, flop_counter=flop_counter, metrics_dir=checked.output,
+                      endpoint=prometheus.open_endpoint(checked.recipe),
+                      offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)
     trainer.add_callback(StopCallback(trainer))
     trainer.add_callback(ResumeCallback(trainer))
     trainer.add_callback(RoomToSaveCallback(trainer, checked.checkpoint_estimate))  # sees the final should_save

@@ -181,10 +181,13 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         tuning=tuning, script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
-def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str) -> CheckedLaunch:
+def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str,
+                tuning: adapters.Tuning = adapters.FULL, dpo=None) -> CheckedLaunch:
     """The same checks for an HF Trainer recipe: ``recipe_args`` (model, max_seq_len,
     skip_memory_check) and TrainingArguments' fields as parsed, before they are built. Fills
-    ``bf16``/``fp16`` left as None in ``trainer_kwargs`` from the DeepSpeed JSON."""
+    ``bf16``/``fp16`` left as None in ``trainer_kwargs`` from the DeepSpeed JSON. ``tuning``: what trains (as
+    :func:`~finetune_kit.models.adapters.decide` decided it); ``dpo``: a preference run's pairs and reference
+    (:class:`finetune_kit.planning.preference.Dpo`; the micro-batch then counts pairs)."""
     if getattr(recipe_args, "data", "") is None:
         raise DataError("no training data: pass --data with a .jsonl/.csv file or a hub dataset name.")
     ds_path = trainer_kwargs["deepspeed"]
@@ -199,12 +202,20 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
             trainer_kwargs[key] = from_json
     config_checks.check_trainer_agreement(ds_config, trainer_kwargs, world=env.world_size(), source=ds_path)
     model_config, shape = _model(recipe_args.model, recipe_args.max_seq_len)
+    adapters.check_model(tuning, model_config, model=recipe_args.model)
+    adapter = tuning.plan()
+    if adapter is not None and adapter.quantized:
+        from finetune_kit.models.qlora import as_saved
+
+        adapter = as_saved(adapter, model_config)  # a folder saved in 4-bit: planned as it stores its constants
     _data_workers(getattr(recipe_args, "data_workers", 0), "--data_workers")
     _samples(recipe_args, "_")
     _attention(getattr(recipe_args, "attention", "auto"), "--attention")
     _loss_kernel(getattr(recipe_args, "loss_kernel", "chunked"), "--loss_kernel")
     _compiler(trainer_kwargs.get("torch_compile", False), "--torch_compile")
-    identity = {"architecture": architecture(model_config, shape)}
+    identity = {"architecture": architecture(model_config, shape), **({"method": tuning.method} if dpo else {}),
+                **({"adapters": tuning.describe()} if tuning.adapted else {}),
+                **({"dpo_reference": dpo.reference} if dpo else {})}
 
     def check_resume(checkpoint: Path) -> None:
         saved = resharding.trainer_saved_world(checkpoint)
@@ -231,12 +242,14 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
                                "--activation_checkpointing_kwargs' every_n_layers"),
                            loss_chunks=_loss_chunks(getattr(recipe_args, "loss_chunks", 0), "--loss_chunks"),
                            offload_activations=getattr(recipe_args, "offload_activations", False),
+                           adapter=adapter, dpo=dpo,
                            skip=recipe_args.skip_memory_check, skip_flag="--skip_memory_check", flags=TRAINER_FLAGS),
         cap=memory_cap.requested(), decided={"grad_accum": trainer_kwargs["gradient_accumulation_steps"]},
         report_to=(trainer_kwargs.get("report_to"), "--report_to"), output=Path(trainer_kwargs["output_dir"]),
         layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
         check_resume=check_resume, identity=identity,
         saving=trainer_kwargs["save_strategy"] != "no", no_save_flag="--save_strategy no", model=recipe_args.model,
+        method=tuning.method, tuning=tuning,
         script_args={**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
                                              if k not in ("output_dir", "resume_from_checkpoint", "report_to")}})
 

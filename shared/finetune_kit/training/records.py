@@ -37,6 +37,13 @@ class DataSplit:
         ids = example_ids(eval_set) if eval_set is not None else []
         return cls(len(train_set), ids, counts, _heldout(rows, ids) if rows is not None else [])
 
+    @classmethod
+    def of_pairs(cls, train_set, held: list) -> DataSplit:
+        """A preference run's split: the training pairs' dataset and the held-out :class:`~finetune_kit.data.
+        preferences.Pair` list, each kept as its prompt with the chosen answer (the sample answers' reference)."""
+        return cls(len(train_set), [p.example_id for p in held],
+                   heldout=[Conversation(p.prompt + p.chosen, example_id=p.example_id) for p in held])
+
     def heldout_lines(self) -> list[dict]:
         """``heldout.jsonl``'s lines."""
         return [row.record() if isinstance(row, Conversation) else row for row in self.heldout]
