@@ -16,6 +16,7 @@ DATA ?=
 OUTPUT ?= $(CURDIR)/out/llama3-8b-zero3
 RECIPE_8B := recipes/llama3-8b-zero3
 RECIPE_13B := recipes/llama2-13b-zero2
+RECIPE_DPO := recipes/llama3-8b-dpo
 
 , := ,
 # A local path becomes absolute (the launch runs from the recipe folder); a hub id stays as is.
@@ -75,8 +76,8 @@ recipe-70b-qlora-chat train-llama3-70b-qlora-chat: OUTPUT_70B := $(CURDIR)/out/l
 recipe-70b-qlora-chat train-llama3-70b-qlora-chat: DATA_70B := chat or instruction data (.jsonl/.csv/.parquet, a folder or a hub dataset)
 DATA_70B := review CSV file(s)
 
-.PHONY: help demo test test-quick lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-70b-qlora train-llama3-8b-zero3 \
-	train-llama2-13b-zero2 train-llama3-70b-qlora recipe-70b-qlora-chat train-llama3-70b-qlora-chat plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
+.PHONY: help demo test test-quick lint unit results recipe-8b-zero3 recipe-13b-zero2 recipe-8b-dpo recipe-70b-qlora train-llama3-8b-zero3 \
+	train-llama2-13b-zero2 train-llama3-8b-dpo train-llama3-70b-qlora recipe-70b-qlora-chat train-llama3-70b-qlora-chat plan readmes memory-tables image lock merge eval gpu-check gpu-smoke gpu-bundle wheelhouse \
 	monitor monitor-down clean
 
 help: ## this list
@@ -95,7 +96,7 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # make test runs noxfile.py's sessions (TEST_SESSIONS, checked against it by a unit test) in three stretches.
 # First the stack session (the shared environment, one pip process: about one core of two busy), with lint beside
 # it, its output in .nox/lint.log; then unit. Then two lanes side by side, each one session after another:
-# the 8B recipe's session, the longest, then the GPU check and the wheelhouse (MAIN_SESSIONS); beside them
+# the 8B recipe's session, the longest, then the GPU check, the wheelhouse and Kubernetes (MAIN_SESSIONS); beside them
 # SIDE_SESSIONS, their output in .nox/side.log, printed when they end. A session that runs one launch at a time
 # keeps about one core of two busy (the 8B one: 20.8 CPU minutes in 25.3 minutes on a 2-core EPYC, beside the
 # others). Last, the rest in order, with the machine to themselves: the Slurm and Prometheus sessions, whose jobs
@@ -107,10 +108,10 @@ demo: $(NOX) ## fine-tune a tiny Llama 3 on CPU with the 8B recipe (minutes)
 # the Debian base of the images use the core the stack session leaves idle; the build's RUN steps run in cgroups of
 # podman's own, beyond the nice value's reach, with the lowest CPU share instead (tests/container/podman.py). Every
 # session runs whatever failed before it; the exit status says if any did.
-TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 \
+TEST_SESSIONS := lint stack unit test-llama3-8b-zero3 gpu-check-cpu wheelhouse test-llama2-13b-zero2 test-llama3-8b-dpo \
   test-llama3-70b-qlora test-llama3-70b-qlora-chat kubernetes gpu-bundle slurm live-metrics test-llama3-8b-zero3-nvme image
-MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse
-SIDE_SESSIONS := test-llama2-13b-zero2 test-llama3-70b-qlora test-llama3-70b-qlora-chat kubernetes gpu-bundle
+MAIN_SESSIONS := test-llama3-8b-zero3 gpu-check-cpu wheelhouse kubernetes
+SIDE_SESSIONS := test-llama2-13b-zero2 test-llama3-8b-dpo test-llama3-70b-qlora test-llama3-70b-qlora-chat gpu-bundle
 idle_disk = $(if $(shell command -v ionice),ionice -c 3)
 test: $(NOX) ## lint, unit tests and every recipe's end-to-end session (nox)
 	@mkdir -p .nox; rm -f .nox/session-times.jsonl .nox/launches.jsonl; failed=0; \
@@ -281,6 +282,20 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
+# Llama 3 8B DPO, ZeRO-3, TRL's DPOTrainer, launched with `deepspeed`. Full weights on fewer than 8 GPUs pick the
+# optimizer-offload config; --peft lora|qlora in TRAIN_ARGS keeps zero3.json. MODEL defaults to the 8B Instruct hub id.
+MODEL_DPO = $(if $(filter file,$(origin MODEL)),meta-llama/Meta-Llama-3-8B-Instruct,$(MODEL))
+OUTPUT_DPO = $(if $(filter file,$(origin OUTPUT)),out/llama3-8b-dpo,$(OUTPUT))
+recipe-8b-dpo: ## Llama 3 8B preference tuning (DPO), ZeRO-3, TRL (GPUs): NUM_GPUS=8 MODEL=... DATA=prefs.jsonl OUTPUT=... [TRAIN_ARGS="--peft lora"] [CONTAINER=docker]
+	$(call need_gpus,recipe-8b-dpo,To try it on CPU: 'nox -s test-llama3-8b-dpo' (a tiny Llama 3$(,) 2 processes).)
+	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv/.parquet file or hub dataset> (prompt/chosen/rejected rows)."; exit 2; }
+	@if [ "$(NUM_GPUS)" -lt 8 ] && ! echo " $(TRAIN_ARGS) " | grep -Eq -- '--peft[ =]+q?lora'; then \
+	  cfg=configs/zero3-offload.json; else cfg=configs/zero3.json; fi; \
+	$(call in_recipe,$(RECIPE_DPO)) set -x && $(call in_container,llama3-8b-dpo,$(MODEL_DPO),$(DATA),$(OUTPUT_DPO)) \
+	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  --model "$(call local_or_hub,$(MODEL_DPO))" --data "$(call local_or_hub,$(DATA))" \
+	  --output_dir "$(abspath $(OUTPUT_DPO))" $(TRAIN_ARGS)
+
 # Checks the main/worker config pair first (seconds), then starts this node's half of the job. GPUS_PER_NODE on
 # the command line sets the processes per node (the configs say 4); the same value on both nodes.
 nproc_70b = $(if $(filter command line,$(origin GPUS_PER_NODE)),--num_processes $$((2 * $(GPUS_PER_NODE))))
@@ -307,6 +322,7 @@ endif
 
 train-llama3-8b-zero3: recipe-8b-zero3 ## the same as recipe-8b-zero3
 train-llama2-13b-zero2: recipe-13b-zero2 ## the same as recipe-13b-zero2
+train-llama3-8b-dpo: recipe-8b-dpo ## the same as recipe-8b-dpo
 train-llama3-70b-qlora: recipe-70b-qlora ## the same as recipe-70b-qlora
 train-llama3-70b-qlora-chat: recipe-70b-qlora-chat ## the same as recipe-70b-qlora-chat
 

@@ -34,8 +34,9 @@ import nox
 
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "stack", "unit", "test-llama3-8b-zero3", "gpu-check-cpu", "wheelhouse",
-                        "test-llama2-13b-zero2", "test-llama3-70b-qlora", "test-llama3-70b-qlora-chat", "kubernetes",
-                        "gpu-bundle", "slurm", "live-metrics", "test-llama3-8b-zero3-nvme", "image"]
+                        "test-llama2-13b-zero2", "test-llama3-8b-dpo", "test-llama3-70b-qlora",
+                        "test-llama3-70b-qlora-chat", "kubernetes", "gpu-bundle", "slurm", "live-metrics",
+                        "test-llama3-8b-zero3-nvme", "image"]
 
 ROOT = Path(__file__).parent
 STACK = ROOT / ".nox/stack"
@@ -168,6 +169,7 @@ def unit(session: nox.Session) -> None:
 RECIPE_SESSIONS = {
     "llama3-8b-zero3": "tiny Llama 3, 2 CPU processes",
     "llama2-13b-zero2": "tiny Llama 2, 2 CPU processes, both launchers",
+    "llama3-8b-dpo": "DPO on preference pairs, tiny Llama 3, 1 and 2 CPU processes",
     "llama3-70b-qlora": "two-node job (2 launchers, 1 CPU rank each)",
     "llama3-70b-qlora-chat": "two-node job on chat data (2 launchers, 1 CPU rank each)",
 }

@@ -151,6 +151,10 @@ SHIPPED: dict[str, DeepSpeedSetup] = {
     "recipes/llama3-8b-zero3/configs/zero3-nvme.json": DeepSpeedSetup(
         stage=3, betas=(0.9, 0.95), eps=1e-8, offload_optimizer="nvme", offload_param="nvme",
         nvme_path="/local_nvme/deepspeed"),
+    # the DPO recipe under the HF Trainer: Adam's betas and eps from its flags ("auto")
+    "recipes/llama3-8b-dpo/configs/zero3.json": DeepSpeedSetup(stage=3),
+    "recipes/llama3-8b-dpo/configs/zero3-offload.json": DeepSpeedSetup(stage=3, offload_optimizer="cpu",
+                                                                        offload_param="none"),
     "recipes/llama2-13b-zero2/configs/zero2.json": DeepSpeedSetup(stage=2),
     "recipes/llama2-13b-zero2/configs/zero2-offload.json": DeepSpeedSetup(stage=2, offload_optimizer="cpu"),
     "recipes/llama2-13b-zero2/configs/zero2-fp16.json": DeepSpeedSetup(stage=2, precision="fp16"),
