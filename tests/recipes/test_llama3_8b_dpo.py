@@ -8,7 +8,7 @@ show its preferences move.
 The README command (`make recipe-8b-dpo CPU=1`, full weights: the optimizer-offload config on 2 ranks, reference
 log-probs precomputed) is the quick run. The guarantees of the precomputed reference run in fp32 (configs/zero3.json
 with bf16 off, written by :func:`fp32_config`), where "the policy equals the reference at the first step" holds to
-fp32's rounding. In bf16 it does not, to bf16's rounding (measured on the tiny model: step 1's loss 0.69780 instead
+fp32's rounding. In bf16 it holds only within bf16's rounding (measured on the tiny model: step 1's loss 0.69780 instead
 of 0.69315, an accuracy of 0.25 from that difference alone; the cause is not pinned down, see the README). A
 reference whose forward runs on the same batch as the policy's (LoRA with the adapters off; a sharded copy) gives
 ln 2 in bf16: both are tested in bf16, with the configs as shipped.
