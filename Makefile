@@ -66,6 +66,7 @@ endef
 # Llama 3.3 70B QLoRA on 2 nodes: run the same command on both, NODE_RANK=0 on the main node.
 NODE_RANK ?= 0
 MAIN_IP ?=
+# MAIN_PORT: the main node's rendezvous port (the 70B jobs), and the deepspeed launches' of the 13B and DPO targets
 MAIN_PORT ?= 29500
 MODEL_70B ?= meta-llama/Llama-3.3-70B-Instruct
 OUTPUT_70B ?= $(CURDIR)/out/llama3-70b-qlora
@@ -278,7 +279,7 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv file or hub dataset> (prompt/response rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ]; then cfg=configs/zero2-offload.json; else cfg=configs/zero2.json; fi; \
 	$(call in_recipe,$(RECIPE_13B)) set -x && $(call in_container,llama2-13b-zero2,$(MODEL_13B),$(DATA),$(OUTPUT_13B)) \
-	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) --master_port $(MAIN_PORT) train.py --deepspeed $$cfg \
 	  --model "$(call local_or_hub,$(MODEL_13B))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_13B))" $(TRAIN_ARGS)
 
@@ -286,13 +287,13 @@ recipe-13b-zero2: ## Llama 2 13B full fine-tune, ZeRO-2, HF Trainer (GPUs): NUM_
 # optimizer-offload config; --peft lora|qlora in TRAIN_ARGS keeps zero3.json. MODEL defaults to the 8B Instruct hub id.
 MODEL_DPO = $(if $(filter file,$(origin MODEL)),meta-llama/Meta-Llama-3-8B-Instruct,$(MODEL))
 OUTPUT_DPO = $(if $(filter file,$(origin OUTPUT)),out/llama3-8b-dpo,$(OUTPUT))
-recipe-8b-dpo: ## Llama 3 8B preference tuning (DPO), ZeRO-3, TRL (GPUs): NUM_GPUS=8 MODEL=... DATA=prefs.jsonl OUTPUT=... [TRAIN_ARGS="--peft lora"] [CONTAINER=docker]
+recipe-8b-dpo: ## Llama 3 8B preference tuning (DPO), ZeRO-3, TRL (GPUs): NUM_GPUS=8 MODEL=... DATA=prefs.jsonl OUTPUT=... [TRAIN_ARGS="--peft lora"] [MAIN_PORT=29500] [CONTAINER=docker]
 	$(call need_gpus,recipe-8b-dpo,To try it on CPU: 'nox -s test-llama3-8b-dpo' (a tiny Llama 3$(,) 2 processes).)
 	@test -n "$(DATA)" || { echo "Set DATA=<.jsonl/.csv/.parquet file or hub dataset> (prompt/chosen/rejected rows)."; exit 2; }
 	@if [ "$(NUM_GPUS)" -lt 8 ] && ! echo " $(TRAIN_ARGS) " | grep -Eq -- '--peft[ =]+q?lora'; then \
 	  cfg=configs/zero3-offload.json; else cfg=configs/zero3.json; fi; \
 	$(call in_recipe,$(RECIPE_DPO)) set -x && $(call in_container,llama3-8b-dpo,$(MODEL_DPO),$(DATA),$(OUTPUT_DPO)) \
-	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) train.py --deepspeed $$cfg \
+	  $(with_metrics) $(checked) deepspeed --num_gpus $(NUM_GPUS) --master_port $(MAIN_PORT) train.py --deepspeed $$cfg \
 	  --model "$(call local_or_hub,$(MODEL_DPO))" --data "$(call local_or_hub,$(DATA))" \
 	  --output_dir "$(abspath $(OUTPUT_DPO))" $(TRAIN_ARGS)
 

@@ -362,7 +362,7 @@ def test_the_readme_make_command_with_2_gpus_trains_with_cpu_adam(run, tiny_llam
     other = tmp_path / "made"
     args = sizes(tiny_llama2)
     proc, = wait_all([make_target("recipe-13b-zero2", "NUM_GPUS=2", f"MODEL={tiny_llama2}", f"DATA={SAMPLE}",
-                                  f"OUTPUT={other}", "TRAIN_ARGS=" + " ".join(
+                                  f"OUTPUT={other}", f"MAIN_PORT={free_port()}", "TRAIN_ARGS=" + " ".join(
                                       [*args[4:], "--max_steps", "3", "--save_strategy", "no"]))], timeout=900)
     assert_finished(proc, 3)
     assert "--deepspeed configs/zero2-offload.json" in proc.stderr  # the command, echoed by set -x

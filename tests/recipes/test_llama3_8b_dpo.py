@@ -29,6 +29,7 @@ from tests.harness import (
     REPO,
     SAMPLES,
     assert_finished,
+    free_port,
     losses,
     make_target,
     read_metrics,
@@ -92,8 +93,9 @@ def made(recipe_copy, tiny_llama3, tmp_path_factory) -> Path:
     args = sizes(tiny_llama3)[4:]
     train_args = [*args[:-2], "--samples", "2", "--sample_before", "true", "--max_steps", str(STEPS),
                   "--save_strategy", "no"]
+    port = f"MAIN_PORT={free_port()}"  # not deepspeed's 29500, which a launch of a session beside this one may hold
     proc, = wait_all([make_target("recipe-8b-dpo", "NUM_GPUS=2", f"MODEL={tiny_llama3}", f"DATA={PAIRS}",
-                                  f"OUTPUT={output}", "TRAIN_ARGS=" + " ".join(train_args))], timeout=900)
+                                  f"OUTPUT={output}", port, "TRAIN_ARGS=" + " ".join(train_args))], timeout=900)
     assert_finished(proc, STEPS)
     assert "--deepspeed configs/zero3-offload.json" in proc.stderr  # the command, echoed by set -x
     return output
