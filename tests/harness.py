@@ -194,6 +194,7 @@ def killed_whole_after(cmd: list[str], cwd: Path, output: Path, step: int, timeo
         job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
         for pid in job:
             os.kill(pid, signal.SIGSTOP)
+        proc.printed = (logs / "out").read_text()  # what the job printed until it was stopped
         yield proc
     finally:
         job = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]

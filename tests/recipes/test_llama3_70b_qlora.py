@@ -487,6 +487,40 @@ def test_resuming_with_other_lora_settings_is_refused(run, recipe_main, tiny_lla
                      "--lora-rank", "4"])
 
 
+def test_a_damaged_checkpoint_is_refused_by_name_and_passed_over_by_auto(run, recipe_main, tiny_llama3, tmp_path,
+                                                                          capsys):
+    """The two-rank run's checkpoints, copied, the newest with a block of its largest file zeroed on disk (its size
+    unchanged). Each rank checksummed the files it wrote. Named on the command line, the damaged one is refused in
+    one line naming the file; --resume auto passes over it to the one before, saying so. Both in the recipe's
+    checks, which every rank (and the pre-launch check) runs before anything loads."""
+    import shutil
+
+    from finetune_kit.errors import UserInputError
+    from finetune_kit.training.checkpointing import checkpoints
+
+    output = tmp_path / "out"
+    shutil.copytree(run / "checkpoints", output / "checkpoints")
+    newest = output / f"checkpoints/step_{STEPS:06d}"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert sorted(manifest["checksums"]) == sorted(manifest["files"]) and manifest["checksum"] == "xxh3_64"
+    assert {checkpoints.writer(name) for name in manifest["checksums"]} == {0, 1}  # both ranks' own files
+    damaged = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with damaged.open("r+b") as f:
+        f.seek(damaged.stat().st_size // 3)
+        f.write(bytes(1024))
+    name = re.escape(str(damaged.relative_to(newest)))
+    with pytest.raises(UserInputError, match=rf"checkpoint '{re.escape(str(newest))}' is damaged: {name} has the size "
+                                             r"the manifest says but not its contents \(xxh3_64 [0-9a-f]{16} when "
+                                             r"saved\)\. Resume from another checkpoint"):
+        recipe_main([*sizes(tiny_llama3), "--output", str(output), "--resume", str(newest)])
+    _, launch, *_ = load_script(RECIPE / "train.py").check_inputs([*sizes(tiny_llama3), "--output", str(output),
+                                                                "--grad-accum", "4"])  # 1 rank: the global batch kept
+    assert launch.resume_from == output / f"checkpoints/step_{SAVE_EVERY:06d}"  # --resume auto, the default
+    assert re.search(rf"not resuming from {re.escape(str(newest))}: it is damaged \({name} has the size the manifest "
+                     rf"says but not its contents .*\); resuming from step_{SAVE_EVERY:06d}, the newest checkpoint "
+                     "that verifies", capsys.readouterr().out)
+
+
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     proc = accelerate_launch(recipe_copy, *sizes(tiny_llama3), "--output", str(run), config=MAIN, nproc=1,

@@ -1062,32 +1062,51 @@ def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recip
     assert (output / f"checkpoints/step_{STEPS:06d}/manifest.json").is_file()
 
 
-def test_a_job_killed_whole_twice_resumes_bit_for_bit_and_a_second_launch_meanwhile_is_refused(
+def largest_file(checkpoint: Path) -> Path:
+    return max((f for f in checkpoint.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_a_job_killed_whole_twice_resumes_bit_for_bit_past_damaged_checkpoints_and_a_second_launch_is_refused(
         recipe_copy, tiny_llama3, tmp_path):
     """Every process of the job SIGKILLed at once (a lost node, a killed container), then the same command again:
-    it resumes from the newest complete checkpoint, once at an epoch boundary and once mid-epoch, and the losses
-    and the final model are the uninterrupted run's, bit for bit. While the first attempt ran, a second launch into
-    its folder stopped before any rank started, naming the run that holds it."""
+    it resumes from the newest complete checkpoint that verifies, and the losses and the final model are the
+    uninterrupted run's, bit for bit. Before each relaunch the newest checkpoint is damaged on disk for real: its
+    largest shard truncated, then (the next time) a block of it zeroed in place, its size unchanged, which only the
+    manifest's checksums see. Each relaunch names the damaged file and resumes from the checkpoint before it, once
+    mid-epoch and once at an epoch boundary. While the first attempt ran, a second launch into its folder stopped
+    before any rank started, naming the run that holds it."""
     rows = SAMPLE.read_text().splitlines()[:64]  # 61 training rows: 3 optimizer steps of 2 x 4 x 2 per epoch
     data = write_jsonl(tmp_path / "rows.jsonl", [json.loads(row) for row in rows])
     args = [*sizes(tiny_llama3, data), "--epochs", "4", "--save-every", "2", "--keep-checkpoints", "0"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert_finished(launch(recipe_copy, *args, "--output", str(straight)), 12)
     command = accelerate_command(*args, "--output", str(killed), config="configs/zero3.yaml")
-    with killed_whole_after(command, recipe_copy, killed, step=7) as first:  # resumes from step 6: epoch 2's end
+    with killed_whole_after(command, recipe_copy, killed, step=7) as first:  # checkpoints 2, 4 and 6 on disk
         second = run_command(checked(command), recipe_copy, timeout=300)
     assert_one_line_error(second, r"output folder '.*killed' is in use by a running job: process \d+ on host "
                                   r"\S+, since .*\. Wait for it to finish, .*", status=2)
     assert "world size" not in second.stdout  # no rank started
     assert first.returncode == -signal.SIGKILL
-    with killed_whole_after(command, recipe_copy, killed, step=9):  # resumes from step 8: mid-epoch
+    truncated = largest_file(killed / "checkpoints/step_000006")
+    with truncated.open("r+b") as f:
+        f.truncate(half := truncated.stat().st_size // 2)
+    with killed_whole_after(command, recipe_copy, killed, step=9) as again:  # resumes from step 4: mid-epoch
         pass
+    zeroed = largest_file(killed / "checkpoints/step_000008")  # 6 saved anew (the damaged one replaced), and 8
+    with zeroed.open("r+b") as f:
+        f.seek(zeroed.stat().st_size // 2)
+        f.write(bytes(4096))
     last = warm_run(command, recipe_copy)  # the killed launches were real; the resumed ranks' work is compared
     assert_finished(last, 12)
-    assert "resumed from " in last.stdout and "step_000008 at step 8" in last.stdout, last.stdout[-2000:]
+    for log, step, damaged, what in ((again.printed, 4, truncated, f"has {half:,} bytes, the manifest says"),
+                                     (last.stdout, 6, zeroed, "has the size the manifest says but not its contents")):
+        checkpoint = killed / f"checkpoints/step_{step + 2:06d}"
+        name = damaged.relative_to(checkpoint)
+        assert f"not resuming from {checkpoint}: it is damaged ({name} {what}" in log, log[-3000:]
+        assert f"resumed from {killed / 'checkpoints'}/step_{step:06d} at step {step}" in log, log[-3000:]
     want = {m["step"]: m["loss"] for m in read_metrics(straight)}
-    got = read_metrics(killed)  # every attempt's lines: steps 7 and 9 were logged twice
-    assert sorted({m["step"] for m in got}) == list(range(1, 13)) and len(got) == 12 + 2
+    got = read_metrics(killed)  # every attempt's lines: 1-7, then 5-9 (from step 4), then 7-12 (from step 6)
+    assert [m["step"] for m in got] == [*range(1, 8), *range(5, 10), *range(7, 13)], [m["step"] for m in got]
     assert all(m["loss"] == want[m["step"]] for m in got), [(m["step"], m["loss"] - want[m["step"]]) for m in got]
     from safetensors.torch import load_file
 

@@ -282,7 +282,8 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         output_lock.check_free(output)
         for path in checkpoints.clean_partial(output, layout):
             print(f"removed {path}: a checkpoint save that never completed (not resumable)")
-    resume_from = checkpoints.resolve_resume(resume, output, layout)
+    resume_from = checkpoints.resolve_resume(resume, output, layout,  # sizes and checksums, before anything loads
+                                         report=_say if env.is_main_rank() else lambda line: None)
     if resume_from is not None:
         check_resume(resume_from)
     estimate = checkpoints.estimate_bytes(plan.total_params, plan.trainable_params, _stage(fsdp_launch, ds_config),
@@ -294,6 +295,10 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
     return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, decision, resume_from,
                          identity, estimate, script_args, method=method, num_labels=num_labels, tuning=tuning,
                          data_ranks=env.world_size() if data_ranks is None else data_ranks)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # in the log even if the job is killed soon after
 
 
 def _stage(fsdp_launch, ds_config: dict) -> int:

@@ -21,7 +21,7 @@ def make_ckpt(output, step, complete=True):
 class FakeAccelerator:
     """One rank; ``save_state`` writes a shard, or fails like a killed process when told to."""
 
-    is_main_process = True
+    is_main_process, process_index = True, 0
 
     def __init__(self, fail: bool = False):
         self.fail = fail
@@ -75,15 +75,86 @@ def test_latest_is_the_highest_complete_step(tmp_path):
     assert checkpoints.resolve_resume("latest", tmp_path) == newest
 
 
+def zero_block(path, offset=1, length=4):
+    """Overwrite ``length`` bytes of ``path`` with zeros in place: the size stays, the contents do not."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(length))
+
+
 def test_a_damaged_checkpoint_is_named_not_resumed(tmp_path):
     newest = make_ckpt(tmp_path, 20)
     (newest / "mp_rank_00_model_states.pt").write_bytes(b"x" * 3)  # truncated
-    with pytest.raises(ConfigError, match=r"step_000020' is damaged: mp_rank_00_model_states\.pt has 3 bytes, the "
-                                          r"manifest says 20\. Resume from an earlier checkpoint"):
+    with pytest.raises(ConfigError, match=r"every checkpoint under '.*checkpoints' is damaged \(the newest, "
+                                          r"step_000020: mp_rank_00_model_states\.pt has 3 bytes, the manifest says "
+                                          r"20\)\. Move them away to start fresh, .*nothing was deleted"):
         checkpoints.resolve_resume("auto", tmp_path)
+    with pytest.raises(ConfigError, match=r"step_000020' is damaged: mp_rank_00_model_states\.pt has 3 bytes, the "
+                                          r"manifest says 20\. Resume from another checkpoint"):
+        checkpoints.resolve_resume(str(newest), tmp_path)
     (newest / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConfigError, match=r"mp_rank_00_model_states\.pt is missing"):
         checkpoints.resolve_resume(str(newest), tmp_path)
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_that_verifies(tmp_path):
+    """Real bytes damaged on disk: a block of the newest zeroed in place (its size unchanged: only the checksum
+    sees it), then the one before truncated. auto and latest fall back, one line each naming the damaged file;
+    a folder named on the command line is refused; the damaged ones stay where they were."""
+    oldest, middle, newest = (make_ckpt(tmp_path, step) for step in (10, 20, 30))
+    zero_block(newest / "mp_rank_00_model_states.pt")
+    for resume in ("auto", "latest"):
+        lines = []
+        assert checkpoints.resolve_resume(resume, tmp_path, report=lines.append) == middle
+        saved = json.loads((newest / "manifest.json").read_text())["checksums"]["mp_rank_00_model_states.pt"]
+        assert lines == [f"not resuming from {newest}: it is damaged (mp_rank_00_model_states.pt has the size the "
+                         f"manifest says but not its contents (xxh3_64 {saved} when saved)); resuming from "
+                         "step_000020, the newest checkpoint that verifies. The damaged one is left in place; a later "
+                         "save of its step replaces it."]
+    with pytest.raises(ConfigError, match=r"step_000030' is damaged: mp_rank_00_model_states\.pt has the size the "
+                                          r"manifest says but not its contents"):
+        checkpoints.resolve_resume(str(newest), tmp_path)
+    with open(middle / "mp_rank_00_model_states.pt", "r+b") as f:
+        f.truncate(7)
+    lines = []
+    assert checkpoints.resolve_resume("auto", tmp_path, report=lines.append) == oldest
+    assert [line.split(":")[0] for line in lines] == [f"not resuming from {newest}", f"not resuming from {middle}"]
+    assert "mp_rank_00_model_states.pt has 7 bytes, the manifest says 20" in lines[1]
+    assert checkpoints.list_checkpoints(tmp_path) == [oldest, middle, newest]  # nothing was deleted
+
+
+def test_a_manifest_of_sizes_only_resumes_with_a_note(tmp_path):
+    """A checkpoint saved before manifests carried checksums: its sizes are checked, and a note says that its
+    contents are not; a wrong size is still refused."""
+    path = make_ckpt(tmp_path, 20)
+    manifest = json.loads((path / checkpoints.MANIFEST).read_text())
+    (path / checkpoints.MANIFEST).write_text(json.dumps({"files": manifest["files"], "bytes": manifest["bytes"]}))
+    zero_block(path / "mp_rank_00_model_states.pt")
+    lines = []
+    assert checkpoints.resolve_resume("auto", tmp_path, report=lines.append) == path
+    assert lines == [f"note: checkpoint '{path}' has a manifest of file sizes only (saved before checksums were "
+                     "written): its sizes match; its contents are not checked."]
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"has 1 bytes, the manifest says 20"):
+        checkpoints.resolve_resume(str(path), tmp_path, report=lines.append)
+
+
+def test_each_rank_checksums_the_files_it_wrote(tmp_path):
+    names = ["pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt", "pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_"
+             "optim_states.pt", "random_states_1.pkl", "pytorch_model/__1_0.distcp", "scheduler.bin",
+             "pytorch_model/mp_rank_00_model_states.pt", "random_states_0.pkl"]
+    assert [checkpoints.writer(name) for name in names] == [1, 0, 1, 1, 0, 0, 0]
+    for i, name in enumerate(names):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(bytes([i]) * (i + 1))
+    mine = [checkpoints.own_checksums(tmp_path, rank) for rank in (0, 1)]
+    assert sorted(mine[1]) == sorted(n for n in names if checkpoints.writer(n) == 1) and not set(mine[0]) & set(mine[1])
+    manifest = checkpoints.write_manifest(tmp_path, {**mine[0], **mine[1]}, save_seconds=1.5)
+    assert manifest["checksums"] == {name: checkpoints.checksum(tmp_path / name) for name in names}
+    assert manifest["checksum"] == "xxh3_64" and manifest["save_seconds"] == 1.5
+    assert len(set(manifest["checksums"].values())) == len(names)  # the contents differ, and so do their sums
+    (tmp_path / "empty").touch()  # an empty file cannot be memory-mapped: hashed as no bytes
+    assert checkpoints.checksum(tmp_path / "empty") == "2d06800538d394c2"  # XXH3-64 of nothing (xxhash's spec)
 
 
 def test_a_checkpoint_without_its_manifest_is_refused_by_path(tmp_path):

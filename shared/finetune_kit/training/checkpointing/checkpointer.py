@@ -9,12 +9,13 @@ and :mod:`.nvme_resume`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from finetune_kit.launch import nvme
 from finetune_kit.training.arguments import global_batch
 from finetune_kit.training.checkpointing import adam_resume, resharding
-from finetune_kit.training.checkpointing.checkpoints import load_checkpoint, read_state, save_checkpoint
+from finetune_kit.training.checkpointing.checkpoints import MANIFEST, load_checkpoint, read_state, save_checkpoint
 from finetune_kit.training.loop import Position
 
 
@@ -59,7 +60,7 @@ class Checkpointer:
         # another number of data ranks (ranks, or the sequence-parallel size) or micro-batch counts the position anew
         state = resharding.reshaped_position(state, data_ranks=self.data_ranks, micro_batch=self.micro_batch)
         position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-        acc.print(f"resumed from {c.resume_from} at step {position.step}")
+        acc.print(f"resumed from {c.resume_from} at step {position.step}", flush=True)
         return position
 
     def save(self, step, *, stopping: bool = False) -> Path | None:
@@ -73,5 +74,8 @@ class Checkpointer:
                  "global_batch": self.global_batch, "data_ranks": self.data_ranks, "micro_batch": self.micro_batch}
         path = save_checkpoint(acc, self.checked.output, step.number, state, keep=self.keep,
                                estimate=self.checked.checkpoint_estimate)
-        acc.print(f"\ncheckpoint saved: {path}")
+        if acc.is_main_process:
+            manifest = json.loads((path / MANIFEST).read_text())
+            print(f"\ncheckpoint saved: {path} ({manifest['bytes'] / 2**20:,.1f} MiB written in "
+                  f"{manifest['save_seconds']:.2f} s, checksummed in {manifest['checksum_seconds']:.2f} s)", flush=True)
         return path
