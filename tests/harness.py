@@ -208,6 +208,21 @@ def killed_whole_after(cmd: list[str], cwd: Path, output: Path, step: int, timeo
         shutil.rmtree(logs)
 
 
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: int):
+    """A real filesystem of ``size`` bytes mounted at ``path`` (tmpfs; root only, as CI runs) for as long as the
+    block runs; unmounted after. Skips the test where this process cannot mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (as root in CI): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
 def _last_step(metrics: Path) -> int:
     """The step of the last complete line of a metrics.jsonl being written (0 if none)."""
     lines = [line for line in metrics.read_text().splitlines() if line.endswith("}")]

@@ -60,6 +60,7 @@ from tests.harness import (
     run_command,
     sample_examples,
     side_by_side,
+    small_filesystem,
     split_args,
     wait_all,
     warm_launch,
@@ -1422,6 +1423,27 @@ def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llam
                                              r"resumes on the same number of ranks"):
         recipe_main([*sizes(tiny_llama3), "--grad-accum", "4", "--output", str(tmp_path / "out"),
                      "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}")])
+
+
+def test_an_output_disk_too_small_for_the_run_is_warned_of_before_it_starts(recipe_main, tiny_llama3, tmp_path,
+                                                                            capsys):
+    """The recipe's checks with --output on a real filesystem of 6 MiB (tmpfs): one checkpoint of the tiny model
+    fits (the save-time check passes), the three that --keep-checkpoints 2 has at once and model/ do not: one
+    warning line with the numbers, and the run may start; with --keep-checkpoints 1, no warning."""
+    recipe = load_script(RECIPE / "train.py")
+    with small_filesystem(tmp_path / "disk", 6 * 2**20) as disk:
+        args = [*sizes(tiny_llama3), "--output", str(disk / "run")]
+        _, checked, _ = recipe.check_inputs([*args, "--keep-checkpoints", "2"])
+        checkpoint = checked.checkpoint_estimate
+        final = 2 * checked.plan.memory.total_params  # model/ in bf16
+        assert 1.1 * checkpoint < 6 * 2**20 < 3 * checkpoint + final  # one fits (with the margin); not all of it
+        warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+        assert len(warnings) == 1 and re.fullmatch(
+            rf"warning: '{re.escape(str(disk))}' has 6\.0 MiB free; this run needs about [\d.]+ MiB there \(3 "
+            r"checkpoints of [\d.]+ MiB: --keep-checkpoints 2 keeps 2 at once, plus one being written; and [\d.]+ MiB "
+            r"for the final save\)\. It starts, but a save will stop it once the disk is full: .*", warnings[0])
+        recipe.check_inputs([*args, "--keep-checkpoints", "1", "--no-save-model"])
+        assert "warning: " not in capsys.readouterr().err
 
 
 def test_resuming_with_another_model_is_refused(run, recipe_main, tiny_llama2, tmp_path):

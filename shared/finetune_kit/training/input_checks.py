@@ -178,6 +178,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         report_to=(args.report_to, "--report-to"), output=Path(args.output), layout=checkpoints.RECIPE_LAYOUT,
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
+        keeping=Keeping(args.keep_checkpoints, "--keep-checkpoints", args.save_model, getattr(args, "merge", False)),
         tuning=tuning, script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
 
 
@@ -249,16 +250,29 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
         layout=checkpoints.TRAINER_LAYOUT, resume=trainer_kwargs["resume_from_checkpoint"],
         check_resume=check_resume, identity=identity,
         saving=trainer_kwargs["save_strategy"] != "no", no_save_flag="--save_strategy no", model=recipe_args.model,
+        keeping=Keeping(trainer_kwargs.get("save_total_limit") or 0, "--save_total_limit",
+                        getattr(recipe_args, "save_model", True)),
         method=tuning.method, tuning=tuning,
         script_args={**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
                                              if k not in ("output_dir", "resume_from_checkpoint", "report_to")}})
+
+
+@dataclasses.dataclass(frozen=True)
+class Keeping:
+    """What a run keeps on its output disk: ``keep`` checkpoints at once (0: all; flag ``keep_flag``), and at its end
+    the model or adapter (``save_model``) and merged/ (``merge``)."""
+
+    keep: int
+    keep_flag: str
+    save_model: bool = True
+    merge: bool = False
 
 
 def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, ds_config: dict,
             fsdp_launch: fsdp.FsdpLaunch | None, *, memory_kwargs: dict, cap: float | None, decided: dict,
             report_to: tuple, output: Path,
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
-            saving: bool, no_save_flag: str, script_args: dict, model: str, method: str = "full",
+            saving: bool, no_save_flag: str, keeping: Keeping, script_args: dict, model: str, method: str = "full",
             num_labels: int | None = None, data_ranks: int | None = None,
             tuning: adapters.Tuning = adapters.FULL) -> CheckedLaunch:
     """The checks both front ends share, in order: memory (against the GPU's free memory, at most ``cap``), the
@@ -292,6 +306,12 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         problem = checkpoints.free_space_problem(output, checkpoints.predicted_bytes(output, estimate, layout), layout)
         if problem:
             raise ConfigError(f"{problem}; or pass {no_save_flag} to train without checkpoints.")
+    final = checkpoints.final_save_bytes(plan.total_params, plan.trainable_params, adapted=tuning.adapted,
+                                         save_model=keeping.save_model, merge=keeping.merge)
+    room = checkpoints.planned_room_warning(output, checkpoints.predicted_bytes(output, estimate, layout) if saving
+                                            else 0, keeping.keep, final, layout, keeping.keep_flag)
+    if room and env.is_main_rank():  # a warning: the disk may yet be freed, or the run stopped before it fills
+        print(room, file=sys.stderr, flush=True)
     return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, decision, resume_from,
                          identity, estimate, script_args, method=method, num_labels=num_labels, tuning=tuning,
                          data_ranks=env.world_size() if data_ranks is None else data_ranks)

@@ -356,3 +356,30 @@ def test_the_trainer_checks_the_disk_before_each_checkpoint_it_writes(tmp_path, 
         room.on_step_end(args, state, SimpleNamespace(should_save=True))
     fake_disk(monkeypatch, free=2000)
     room.on_step_end(args, state, SimpleNamespace(should_save=True))
+
+
+def test_a_disk_too_small_for_the_checkpoints_kept_and_the_final_save_is_warned_of(tmp_path):
+    """A real 4 MiB filesystem (tmpfs): room for one checkpoint of 1 MiB, not for the three that --keep-checkpoints 2
+    has at once with the final save; enough with --keep-checkpoints 1 and a small adapter; checkpoints already
+    there count as room, since rotation deletes them."""
+    from tests.harness import small_filesystem
+
+    mib = 2**20
+    with small_filesystem(tmp_path / "disk", 4 * mib) as disk:
+        final = checkpoints.final_save_bytes(500_000, 500_000, adapted=False)  # model/ in bf16: 1,000,000 bytes
+        assert final == 1_000_000 and checkpoints.final_save_bytes(10**6, 10**4, adapted=True, merge=True) == 2_040_000
+        assert checkpoints.final_save_bytes(10**6, 10**6, adapted=False, save_model=False) == 0
+        assert checkpoints.free_space_problem(disk / "run", 3 * mib // 2) is None  # the save-time check passes
+        assert checkpoints.planned_room_warning(disk / "run", mib, keep=2, final=final) is None  # 3.95 of 4 MiB
+        warning = checkpoints.planned_room_warning(disk / "run", 3 * mib // 2, keep=2, final=final)
+        assert warning == (f"warning: '{disk}' has 4.0 MiB free; this run needs about 5.5 MiB there (3 checkpoints of "
+                           "1.5 MiB: --keep-checkpoints 2 keeps 2 at once, plus one being written; and 1.0 MiB for "
+                           "the final save). It starts, but a save will stop it once the disk is full: free space, "
+                           "lower --keep-checkpoints, or point the output at a larger disk."), warning
+        assert checkpoints.planned_room_warning(disk / "run", 3 * mib // 2, keep=1, final=10_000) is None
+        assert "--keep-checkpoints 0 keeps every one (counted: 2)" in checkpoints.planned_room_warning(
+            disk / "run", 2 * mib, keep=0, final=final)
+        make_ckpt(disk / "run", 3 * mib // 2)  # a checkpoint of 1.5 MiB already there: 2.5 MiB free
+        assert "has 2.5 MiB free" in checkpoints.planned_room_warning(disk / "run", 3 * mib // 2, keep=2, final=0)
+        # two of 1.5 MiB and the final save: 3.0 MiB, of which the one there is the older (rotation deletes it)
+        assert checkpoints.planned_room_warning(disk / "run", 3 * mib // 2, keep=1, final=10_000) is None

@@ -313,6 +313,34 @@ def estimate_bytes(total_params: int, trainable_params: int, zero_stage: int, mo
     return 12 * trainable_params + (2 * total_params if zero_stage < 3 else 0) + (2 * total_params if model_copy else 0)
 
 
+def final_save_bytes(total_params: int, trainable_params: int, *, adapted: bool, save_model: bool = True,
+                     merge: bool = False) -> int:
+    """The end of a run's saves: model/ in bf16 (2 bytes a parameter), or adapter/ (at most 4 bytes a trained
+    parameter: fp32), plus merged/ in bf16 with ``merge``; nothing without ``save_model``."""
+    if not save_model:
+        return 0
+    return (4 * trainable_params if adapted else 2 * total_params) + (2 * total_params if merge else 0)
+
+
+def planned_room_warning(output: Path, checkpoint: int, keep: int, final: int, layout: Layout = RECIPE_LAYOUT,
+                         keep_flag: str = "--keep-checkpoints") -> str | None:
+    """None if the disk of ``output`` holds what the run will keep there at once: ``keep`` + 1 checkpoints of
+    ``checkpoint`` bytes (the new one is complete before the oldest is deleted; ``keep`` 0, all kept: two are
+    counted) and the final save's ``final`` bytes; else a one-line warning with the numbers."""
+    count = keep + 1 if keep > 0 else 2
+    root = checkpoint_root(output, layout)
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    held = sum(f.stat().st_size for c in list_checkpoints(output, layout) for f in c.rglob("*") if f.is_file())
+    free, needed = shutil.disk_usage(existing).free, count * checkpoint + final
+    if free + held >= needed:  # the checkpoints already there count: rotation deletes them
+        return None
+    kept = f"{keep_flag} {keep} keeps {keep} at once" if keep > 0 else f"{keep_flag} 0 keeps every one (counted: 2)"
+    return (f"warning: '{existing}' has {_gib(free)} free; this run needs about {_gib(needed)} there ({count} "
+            f"checkpoints of {_gib(checkpoint)}: {kept}, plus one being written; and {_gib(final)} for the final "
+            f"save). It starts, but a save will stop it once the disk is full: free space, lower {keep_flag}, or point "
+            "the output at a larger disk.")
+
+
 def predicted_bytes(output: Path, estimate: int, layout: Layout = RECIPE_LAYOUT) -> int:
     """The newest complete checkpoint's size (its manifest, or its files), else ``estimate``."""
     existing = list_checkpoints(output, layout)
