@@ -104,6 +104,7 @@ def main(argv=None) -> None:
     eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
         checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
+        guard = training.Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
         # Not strict: the frozen base is rebuilt from --model, not stored; LoRA comes back from the ZeRO-3 partitions.
         start = checkpointer.resume(load_module_strict=False)
         meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
@@ -118,12 +119,13 @@ def main(argv=None) -> None:
                         # its token losses summed over the whole step's labelled tokens: one mean however it is split
                         loss = losses.causal_lm_loss(model, data.model_inputs(batch), step.labelled)
                     accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
-                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
-                    scheduler.step()
+                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch (a NaN/Inf
+                    scheduler.step()  # gradient it discards itself: training/nonfinite.py)
                     optimizer.zero_grad()
                 meter.micro_batch(loss, batch)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))  # DeepSpeed's
-            meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+            record = meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s
+            guard.check(step, record)  # NaN/Inf: stop in one line naming its data rows (or skip)
             stopping = stop.agreed()  # did a stop signal reach any rank?
             saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
             if stopping:

@@ -114,6 +114,7 @@ def main(argv=None) -> None:
         model, optimizer, train_dl, eval_dl, scheduler)
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
         checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
+        guard = training.Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
         # Not strict: the frozen 4-bit base is rebuilt from --model, not stored in the checkpoint;
         # LoRA and head come back from the ZeRO-3 optimizer partitions.
         start = checkpointer.resume(load_module_strict=False)
@@ -131,12 +132,13 @@ def main(argv=None) -> None:
                     # summed over these reviews / the labelled reviews of the whole step on all ranks (short ones too)
                     loss = losses.classifier_loss(logits, labels, step.labelled)
                     accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
-                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
-                    scheduler.step()
+                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch (a NaN/Inf
+                    scheduler.step()  # gradient it discards itself: training/nonfinite.py)
                     optimizer.zero_grad()
                 meter.micro_batch(loss, batch)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))  # DeepSpeed's
-            meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+            record = meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s
+            guard.check(step, record)  # NaN/Inf: stop in one line naming its data rows (or skip)
             if step.ends_epoch or step.last:  # validation: loss and accuracy on the held-out reviews
                 evals.append(training.validation(step, reviews.evaluate_classifier(model, eval_dl, accelerator),
                                                  accelerator))

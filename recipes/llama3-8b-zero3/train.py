@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
         checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
+        guard = training.Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
         start = checkpointer.resume(load_module_strict=not checked.tuning.adapted)  # adapters: the base is --model's
         meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
         prior = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
@@ -132,11 +133,13 @@ def main(argv=None) -> None:
                     accelerator.backward(loss * step.backward_scale)  # undoes the mean over accumulation and ranks
                     if accelerator.sync_gradients:  # FSDP2 clips here; DeepSpeed clipped per its JSON: both: the norm
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))
-                    optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
-                    scheduler.step()
+                    if training.finite(grad_norm):  # a NaN/Inf gradient is never applied (nonfinite.py)
+                        optimizer.step()  # DeepSpeed steps optimizer + schedule at the step's last micro-batch
+                        scheduler.step()
                     optimizer.zero_grad()
                 meter.micro_batch(loss, batch)
-            meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s, memory
+            record = meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s
+            guard.check(step, record)  # NaN/Inf: stop in one line naming its data rows (or skip)
             stopping = stop.agreed()  # did a stop signal reach any rank?
             saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
             if stopping:

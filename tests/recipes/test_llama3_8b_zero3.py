@@ -13,6 +13,7 @@ Regenerate the golden losses after an intended numerics change with
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -1423,6 +1424,120 @@ def test_an_nvme_run_refuses_another_number_of_ranks(run, recipe_main, tiny_llam
                                              r"resumes on the same number of ranks"):
         recipe_main([*sizes(tiny_llama3), "--grad-accum", "4", "--output", str(tmp_path / "out"),
                      "--resume", str(run / f"checkpoints/step_{SAVE_EVERY:06d}")])
+
+
+POISONED_ROW = 2  # the row (counted from 1, as the error names rows) whose token has a NaN embedding
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_llama3, tmp_path_factory) -> tuple[Path, str]:
+    """A copy of tiny_llama3 whose input embedding of one token is NaN, and 48 rows of which exactly one, row
+    POISONED_ROW, holds that token: the model itself computes a NaN loss for that row, and for no other."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    rows = [json.loads(row) for row in SAMPLE.read_text().splitlines()[:47]]
+    rows.insert(POISONED_ROW - 1, {"prompt": "Define the word 'qoxwyzzj'.", "response": "'qoxwyzzj' is no word."})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama3)
+    tokens = [set(tokenizer(f"{row['prompt']} {row['response']}")["input_ids"]) for row in rows]
+    others = set().union(*(t for i, t in enumerate(tokens) if i != POISONED_ROW - 1))
+    token = min(tokens[POISONED_ROW - 1] - others)  # only this row has it
+    model = tmp_path_factory.mktemp("models") / "poisoned"
+    shutil.copytree(tiny_llama3, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"][token] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model, write_jsonl(model.parent / "rows.jsonl", rows)
+
+
+def nonfinite_lines(proc, prefix: str) -> list[str]:
+    """Each line of the launch's output from ``prefix`` on (a progress bar's redraw, ended by a carriage return,
+    may come before it on the same line)."""
+    return [part[part.index(prefix):] for part in re.split(r"[\r\n]", proc.stdout + "\n" + proc.stderr)
+            if prefix in part]
+
+
+def named_rows(line: str) -> set[int]:
+    """The row numbers a non-finite step's line names (``rows 1-2, 6 (3)``)."""
+    spans = re.search(r"held rows? ([\d, -]+) \(\d+\) of data", line)[1]
+    return {n for span in spans.split(", ") for n in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+
+
+def test_a_nan_step_stops_the_run_before_it_is_applied_naming_its_rows(poisoned, recipe_copy, tmp_path):
+    """A row whose token the model turns into NaN (the weight poisoned in the saved base, nothing patched): at the
+    step that holds it, DeepSpeed discards the update (its norm is not finite) and every rank stops there with one
+    line naming the step, the values and the rows of its micro-batches, the poisoned row among them. No checkpoint
+    is taken after it; the ones before (every step's, --keep-checkpoints 1) are there, complete, with finite
+    weights. With --on-nonfinite skip the same data trains to its end, skipping each step that holds the row, and
+    its model is finite but for the poisoned row itself; under FSDP2 too, where the loop holds the update back."""
+    model, data = poisoned
+    args = [*sizes(model, Path(data)), "--max-seq-len", "64", "--save-every", "1", "--keep-checkpoints", "1"]
+    stopped = tmp_path / "stopped"
+    proc = launch(recipe_copy, *args, "--output", str(stopped))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = nonfinite_lines(proc, "error: ")
+    assert len(errors) == 1, proc.stderr[-3000:]
+    found = re.fullmatch(r"error: step (\d+) is not finite \(loss nan, gradient norm inf\); its micro-batches held "
+                         r"rows? ([\d, -]+) \((\d+)\) of data '.*rows\.jsonl'\. Stopped there \(--on-nonfinite stop\): "
+                         r"its update was not applied and no checkpoint was taken after it, .*", errors[0])
+    assert found, errors[0]
+    step, named = int(found[1]), named_rows(errors[0])
+    assert POISONED_ROW in named and int(found[3]) == len(named) == 16, errors[0]  # 2 ranks x 4 x 2 rows
+    logged = read_metrics(stopped)
+    assert [m["step"] for m in logged] == list(range(1, step + 1)) and math.isnan(logged[-1]["loss"])
+    assert all(math.isfinite(m["loss"]) for m in logged[:-1])
+    kept = sorted(p.name for p in (stopped / "checkpoints").iterdir())
+    assert kept == ([f"step_{step - 1:06d}"] if step > 1 else []), kept  # nothing of the NaN step, the last kept
+    if step > 1:
+        newest = stopped / f"checkpoints/step_{step - 1:06d}"
+        from finetune_kit.training.checkpointing import checkpoints
+
+        checkpoints.verify(newest)
+        shards = [torch.load(f, weights_only=False) for f in newest.rglob("*optim_states.pt")]
+        bad = sum(int((~torch.isfinite(t)).sum()) for shard in shards for t in _tensors(shard) if t.is_floating_point())
+        hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+        assert shards and bad == hidden  # the fp32 master of the poisoned row as it came; every moment finite
+    assert not (stopped / "model").exists() and not (stopped / "run_record.json").exists()
+
+    skipped = tmp_path / "skipped"
+    proc = launch(recipe_copy, *args, "--on-nonfinite", "skip", "--output", str(skipped))
+    assert_finished(proc, None)
+    lines = nonfinite_lines(proc, "skipped: step ")
+    trained = read_metrics(skipped)
+    nan_steps = [m["step"] for m in trained if not math.isfinite(m["loss"])]  # the row's steps, in each epoch
+    assert nan_steps == [int(line.split()[2]) for line in lines] and trained[-1]["step"] > nan_steps[-1], lines
+    assert lines[0].startswith(f"skipped: step {step} is not finite (loss nan, gradient norm inf)"), lines
+    in_a_row = [1]
+    for before, now in zip(nan_steps, nan_steps[1:], strict=False):
+        in_a_row.append(in_a_row[-1] + 1 if now == before + 1 else 1)
+    assert all(POISONED_ROW in named_rows(line) and f"its update was not applied ({n} in a row, "
+               "--max-nonfinite-skips 3 stops the run)" in line for line, n in zip(lines, in_a_row, strict=True)), lines
+    from safetensors.torch import load_file
+
+    fsdp2 = tmp_path / "fsdp2"  # the loop itself holds optimizer.step() back here: FSDP2 would apply a NaN gradient
+    proc = launch(recipe_copy, *args, "--on-nonfinite", "skip", "--output", str(fsdp2), config=FSDP_CONFIG)
+    assert_finished(proc, None)
+    assert [int(line.split()[2]) for line in nonfinite_lines(proc, "skipped: step ")] == nan_steps
+    assert [m["step"] for m in read_metrics(fsdp2) if not math.isfinite(m["loss"])] == nan_steps
+    for run in (skipped, fsdp2):
+        final = load_file(run / "model/model.safetensors")
+        embed = final.pop("model.embed_tokens.weight")
+        assert int((~torch.isfinite(embed)).any(dim=1).sum()) == 1  # the poisoned token's row, as it came
+        assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def _tensors(value):
+    """Every tensor in a nested checkpoint structure."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def test_an_output_disk_too_small_for_the_run_is_warned_of_before_it_starts(recipe_main, tiny_llama3, tmp_path,

@@ -5,8 +5,9 @@ heavy), :mod:`.engine` (process group, optimizer, schedule), :mod:`.loop` (the s
 each step's micro-batches and labelled tokens), :mod:`.checkpointing` (resume and save, the checkpoint
 folders, resharding, what DeepSpeed's load leaves out), :mod:`.stop` (stop signals), :mod:`.records` (the
 step meter, validations, the run's records), :mod:`.final_model` (model, Trainer model or adapter),
-:mod:`.evaluation`, :mod:`.samples` (what the model answers), :mod:`.hf_trainer` (the HF Trainer recipe's
-loop) and :mod:`.sequence_parallel` (ranks that share each sequence). The names a recipe uses are importable
+:mod:`.nonfinite` (a step whose loss or gradient norm is NaN or Inf), :mod:`.evaluation`, :mod:`.samples`
+(what the model answers), :mod:`.hf_trainer` (the HF Trainer recipe's loop) and :mod:`.sequence_parallel`
+(ranks that share each sequence). The names a recipe uses are importable
 from here, each from the module the table below names (an editor's go-to-definition follows them too).
 """
 
@@ -22,6 +23,7 @@ _LAZY = {
     **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
     "Checkpointer": "finetune_kit.training.checkpointing.checkpointer",
     "StopSignal": "finetune_kit.training.stop",
+    **dict.fromkeys(("Guard", "finite"), "finetune_kit.training.nonfinite"),
     **dict.fromkeys(("DataSplit", "step_meter", "validation", "finish", "stopped", "batch_shape"),
                     "finetune_kit.training.records"),
     **dict.fromkeys(("save_trained", "save_consolidated", "save_adapter", "save_merged",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
     )
     from finetune_kit.training.input_checks import for_accelerate, for_trainer
     from finetune_kit.training.loop import Position, Schedule, Step, steps
+    from finetune_kit.training.nonfinite import Guard, finite
     from finetune_kit.training.records import DataSplit, batch_shape, finish, step_meter, stopped, validation
     from finetune_kit.training.samples import answers_before, sample_answers, sample_prompts
     from finetune_kit.training.sequence_parallel import (

@@ -28,7 +28,7 @@ from finetune_kit.models import adapters, fp8, tiled_mlp
 from finetune_kit.models import loading as models
 from finetune_kit.models.shapes import ModelShape, from_config
 from finetune_kit.planning import verdict
-from finetune_kit.training import launch_plan, sequence_parallel
+from finetune_kit.training import launch_plan, nonfinite, sequence_parallel
 from finetune_kit.training.checkpointing import checkpoints, resharding
 
 # What the memory check calls the Trainer recipe's flags in its suggestions (the accelerate recipes'
@@ -61,6 +61,7 @@ class CheckedLaunch:
     tuning: adapters.Tuning = adapters.FULL  # what trains (--peft): every weight, or adapters over a frozen base
     data_ranks: int = 1  # ranks that read different sequences (the world over --sequence-parallel): what the global
     #                      batch, the schedule and a checkpoint's data position count in
+    nonfinite: nonfinite.Policy = nonfinite.STOP  # what a step with a NaN or Inf loss or gradient norm does
 
     @property
     def engine(self) -> str:
@@ -169,6 +170,7 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         checkpoints.check_same_run(checkpoint, identity)
         resharding.check_reshape(checkpoint, args, zero_stage, ds_config, data_ranks)
 
+    policy = nonfinite.decide(args)  # --on-nonfinite, --max-nonfinite-skips
     memory_kwargs = dict(memory_kwargs_of(args), skip=args.skip_memory_check)
     decided = {"grad_accum": args.grad_accum, "loss_kernel": args.loss_kernel if hasattr(args, "loss_kernel") else None,
                "compile": args.compile, "levers": choice[1] if choice else ""}
@@ -179,7 +181,8 @@ def for_accelerate(recipe: str, args, *, zero_stage: int, launch: str, configs: 
         resume=args.resume, check_resume=check_resume, identity=identity,
         saving=bool(args.save_every), no_save_flag="--save-every 0", model=args.model, data_ranks=data_ranks,
         keeping=Keeping(args.keep_checkpoints, "--keep-checkpoints", args.save_model, getattr(args, "merge", False)),
-        tuning=tuning, script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")})
+        tuning=tuning, script_args={k: v for k, v in vars(args).items() if k not in ("output", "resume", "report_to")},
+        on_nonfinite=policy)
 
 
 def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: int, configs: str,
@@ -274,7 +277,7 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
             layout: checkpoints.Layout, resume, check_resume: Callable[[Path], None], identity: dict,
             saving: bool, no_save_flag: str, keeping: Keeping, script_args: dict, model: str, method: str = "full",
             num_labels: int | None = None, data_ranks: int | None = None,
-            tuning: adapters.Tuning = adapters.FULL) -> CheckedLaunch:
+            tuning: adapters.Tuning = adapters.FULL, on_nonfinite: nonfinite.Policy = nonfinite.STOP) -> CheckedLaunch:
     """The checks both front ends share, in order: memory (against the GPU's free memory, at most ``cap``), the
     model's tokenizer files, engine needs, metrics, output, resume, disk. ``decided``: the launch plan's fields
     that ``memory_kwargs`` does not hold (:class:`~finetune_kit.training.launch_plan.LaunchPlan`)."""
@@ -314,7 +317,7 @@ def _common(recipe: str, model_config, shape: ModelShape, ds_path: Path | None, 
         print(room, file=sys.stderr, flush=True)
     return CheckedLaunch(recipe, output, model_config, shape, ds_path, ds_config, fsdp_launch, decision, resume_from,
                          identity, estimate, script_args, method=method, num_labels=num_labels, tuning=tuning,
-                         data_ranks=env.world_size() if data_ranks is None else data_ranks)
+                         data_ranks=env.world_size() if data_ranks is None else data_ranks, nonfinite=on_nonfinite)
 
 
 def _say(line: str) -> None:
