@@ -223,6 +223,40 @@ def small_filesystem(path: Path, size: int):
         subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
+def poisoned_copy(model: Path, rows: list[dict], row: int, out: Path) -> tuple[Path, str]:
+    """A copy of ``model`` (under ``out``) whose input embedding of one token is NaN, and ``rows`` with a row
+    inserted as row ``row`` (counted from 1) that alone holds that token: the model itself computes a NaN loss for
+    that row and for no other. Returns the model folder and the rows' JSONL file."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    rows = list(rows)
+    rows.insert(row - 1, {"prompt": "Define the word 'qoxwyzzj'.", "response": "'qoxwyzzj' is no word."})
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokens = [set(tokenizer(f"{r['prompt']} {r['response']}")["input_ids"]) for r in rows]
+    others = set().union(*(t for i, t in enumerate(tokens) if i != row - 1))
+    token = min(tokens[row - 1] - others)  # only this row has it
+    copy = out / "poisoned"
+    shutil.copytree(model, copy)
+    weights = load_file(copy / "model.safetensors")
+    weights["model.embed_tokens.weight"][token] = float("nan")
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy, write_jsonl(out / "rows.jsonl", rows)
+
+
+def nonfinite_lines(proc, prefix: str) -> list[str]:
+    """Each line of the launch's output from ``prefix`` on (a progress bar's redraw, ended by a carriage return,
+    may come before it on the same line)."""
+    return [part[part.index(prefix):] for part in re.split(r"[\r\n]", proc.stdout + "\n" + proc.stderr)
+            if prefix in part]
+
+
+def named_rows(line: str) -> set[int]:
+    """The row numbers a non-finite step's line names (``rows 1-2, 6 (3)``)."""
+    spans = re.search(r"held rows? ([\d, -]+) \(\d+\) of data", line)[1]
+    return {n for span in spans.split(", ") for n in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+
+
 def _last_step(metrics: Path) -> int:
     """The step of the last complete line of a metrics.jsonl being written (0 if none)."""
     lines = [line for line in metrics.read_text().splitlines() if line.endswith("}")]

@@ -44,7 +44,8 @@ CONFIGS = "configs/zero2.json (or zero2-fp16.json, zero2-offload.json)"
 
 
 @dataclass
-class Arguments(training.ModelArguments, training.InstructionData, training.Samples, training.Kernels):
+class Arguments(training.ModelArguments, training.InstructionData, training.Samples, training.Kernels,
+                training.NonfiniteSteps):
     """The shared families (training/arguments.py); the loop's flags are TrainingArguments'."""
 
 

@@ -113,8 +113,7 @@ def main(argv=None) -> None:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler)
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
-        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
-        guard = training.Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
+        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes; saves finite steps when due
         # Not strict: the frozen 4-bit base is rebuilt from --model, not stored in the checkpoint;
         # LoRA and head come back from the ZeRO-3 optimizer partitions.
         start = checkpointer.resume(load_module_strict=False)
@@ -138,12 +137,11 @@ def main(argv=None) -> None:
                 meter.micro_batch(loss, batch)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), training.max_grad_norm(checked))  # DeepSpeed's
             record = meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s
-            guard.check(step, record)  # NaN/Inf: stop in one line naming its data rows (or skip)
             if step.ends_epoch or step.last:  # validation: loss and accuracy on the held-out reviews
                 evals.append(training.validation(step, reviews.evaluate_classifier(model, eval_dl, accelerator),
                                                  accelerator))
             stopping = stop.agreed()  # did a stop signal reach any rank?
-            saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
+            saved = checkpointer.save(step, record, stopping=stopping)  # when due; never a NaN/Inf step's
             if stopping:
                 return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 

@@ -115,8 +115,7 @@ def main(argv=None) -> None:
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     eval_dl = accelerator.prepare(DataLoader(eval_set, args.micro_batch_size, collate_fn=pad)) if eval_set else None
     with training.hold_output(checked.output, accelerator.is_main_process):  # --output is this run's to its end
-        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes, and saves when due
-        guard = training.Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
+        checkpointer = training.Checkpointer(accelerator, checked, args)  # resumes; saves finite steps when due
         start = checkpointer.resume(load_module_strict=not checked.tuning.adapted)  # adapters: the base is --model's
         meter = training.step_meter(accelerator, checked, model, args, schedule.total_steps, start)
         prior = training.answers_before(accelerator, model, tokenizer, template, prompts, args, start.step > 0, eval_dl)
@@ -139,9 +138,8 @@ def main(argv=None) -> None:
                     optimizer.zero_grad()
                 meter.micro_batch(loss, batch)
             record = meter.step(step, grad_norm)  # metrics.jsonl every --log-every steps: loss, grad norm, tokens/s
-            guard.check(step, record)  # NaN/Inf: stop in one line naming its data rows (or skip)
             stopping = stop.agreed()  # did a stop signal reach any rank?
-            saved = checkpointer.save(step, stopping=stopping)  # every --save-every steps, the last, or stopping
+            saved = checkpointer.save(step, record, stopping=stopping)  # when due; never a NaN/Inf step's
             if stopping:
                 return training.stopped(accelerator, checked, stop, step, schedule.total_steps, saved, meter)
 

@@ -40,6 +40,9 @@ from tests.harness import (
     free_port,
     losses,
     make_target,
+    named_rows,
+    nonfinite_lines,
+    poisoned_copy,
     read_metrics,
     read_run_info,
     run_and_signal,
@@ -429,6 +432,31 @@ def test_fp16_losses_match_golden(fp16_run):
     across CPU kinds, so 1e-3 is expected to hold there (predicted: no such CPU measured yet)."""
     _, output = fp16_run
     assert_matches_golden(losses(output), FP16_GOLDEN, STEPS)
+
+
+def test_a_nan_step_stops_the_trainer_before_it_saves_naming_its_rows(recipe_copy, tiny_llama2, tmp_path):
+    """The HF Trainer recipe on a base whose embedding of one token is NaN, and data in which one row holds it: the
+    model computes the NaN, ZeRO-2 discards that step's update (its norm is not finite), and every rank stops at its
+    end, before the Trainer saves or logs it, with one line naming the step and the rows of its micro-batches, the
+    poisoned one among them. The checkpoint of the step before is the one kept (--save_total_limit 1)."""
+    rows = [json.loads(row) for row in SAMPLE.read_text().splitlines()[:31]]
+    model, data = poisoned_copy(tiny_llama2, rows, 2, tmp_path)
+    output = tmp_path / "out"
+    proc = launch(recipe_copy, *sizes(model), "--data", data, "--save_steps", "1", "--save_total_limit", "1",
+                  "--output_dir", str(output), warm=True)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = nonfinite_lines(proc, "error: ")
+    assert len(errors) == 1, proc.stderr[-3000:]
+    found = re.fullmatch(r"error: step (\d+) is not finite \(loss nan, gradient norm inf\); its micro-batches held "
+                         r"rows? [\d, -]+ \((\d+)\) of data '.*rows\.jsonl'\. Stopped there \(--on-nonfinite stop\): "
+                         r".*", errors[0])
+    # every row the step's micro-batches held on both ranks: up to 2 x 4 x 1, fewer in an epoch's last step
+    assert found and 2 in named_rows(errors[0]) and len(named_rows(errors[0])) == int(found[2]) <= 8, errors[0]
+    step = int(found[1])
+    assert [m["step"] for m in read_metrics(output)] == list(range(1, step))  # the NaN step was not logged
+    kept = sorted(p.name for p in output.glob("checkpoint-*"))
+    assert kept == ([f"checkpoint-{step - 1}"] if step > 1 else []), kept
+    assert not (output / "model").exists()
 
 
 def test_sigterm_stops_with_a_checkpoint_and_the_same_command_resumes(run, recipe_copy, tiny_llama2, tmp_path):

@@ -55,6 +55,9 @@ from tests.harness import (
     load_script,
     losses,
     make_target,
+    named_rows,
+    nonfinite_lines,
+    poisoned_copy,
     read_metrics,
     read_run_info,
     run_and_signal,
@@ -1431,38 +1434,8 @@ POISONED_ROW = 2  # the row (counted from 1, as the error names rows) whose toke
 
 @pytest.fixture(scope="module")
 def poisoned(tiny_llama3, tmp_path_factory) -> tuple[Path, str]:
-    """A copy of tiny_llama3 whose input embedding of one token is NaN, and 48 rows of which exactly one, row
-    POISONED_ROW, holds that token: the model itself computes a NaN loss for that row, and for no other."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
     rows = [json.loads(row) for row in SAMPLE.read_text().splitlines()[:47]]
-    rows.insert(POISONED_ROW - 1, {"prompt": "Define the word 'qoxwyzzj'.", "response": "'qoxwyzzj' is no word."})
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama3)
-    tokens = [set(tokenizer(f"{row['prompt']} {row['response']}")["input_ids"]) for row in rows]
-    others = set().union(*(t for i, t in enumerate(tokens) if i != POISONED_ROW - 1))
-    token = min(tokens[POISONED_ROW - 1] - others)  # only this row has it
-    model = tmp_path_factory.mktemp("models") / "poisoned"
-    shutil.copytree(tiny_llama3, model)
-    weights = load_file(model / "model.safetensors")
-    weights["model.embed_tokens.weight"][token] = float("nan")
-    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
-    return model, write_jsonl(model.parent / "rows.jsonl", rows)
-
-
-def nonfinite_lines(proc, prefix: str) -> list[str]:
-    """Each line of the launch's output from ``prefix`` on (a progress bar's redraw, ended by a carriage return,
-    may come before it on the same line)."""
-    return [part[part.index(prefix):] for part in re.split(r"[\r\n]", proc.stdout + "\n" + proc.stderr)
-            if prefix in part]
-
-
-def named_rows(line: str) -> set[int]:
-    """The row numbers a non-finite step's line names (``rows 1-2, 6 (3)``)."""
-    spans = re.search(r"held rows? ([\d, -]+) \(\d+\) of data", line)[1]
-    return {n for span in spans.split(", ") for n in range(int(span.split("-")[0]), int(span.split("-")[-1]) + 1)}
+    return poisoned_copy(tiny_llama3, rows, POISONED_ROW, tmp_path_factory.mktemp("models"))
 
 
 def test_a_nan_step_stops_the_run_before_it_is_applied_naming_its_rows(poisoned, recipe_copy, tmp_path):

@@ -105,9 +105,13 @@ class PadCollator:
         return out
 
 
+ROWS = "source_rows"  # a RowRecorder batch's rows, for the trainer to take off: the model must not see them
+
+
 @dataclass
 class RowRecorder:
-    """Wrap a collator: pop ``example_ids`` from each batch and keep them in ``seen``.
+    """Wrap a collator: pop ``example_ids`` from each batch and keep them in ``seen``; the batch carries its rows
+    under :data:`ROWS` (a list) for the trainer to take off before the forward.
 
     For trainers that pass the batch to the model as is (the HF Trainer): the model must
     not see ``example_ids``, and the run record still says which rows each rank loaded.
@@ -118,6 +122,8 @@ class RowRecorder:
 
     def __call__(self, examples: Sequence[dict]) -> dict:
         batch = self.collate(examples)
-        self.seen.extend(i for ids in batch.pop("example_ids") for i in ids)
+        rows = [i for ids in batch.pop("example_ids") for i in ids]
+        self.seen.extend(rows)
+        batch[ROWS] = rows  # the trainer takes it off before the forward (hf_trainer.MeteredTrainer.training_step)
         return batch
 

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 _LAZY = {
     **dict.fromkeys(("ModelArguments", "InstructionData", "Adapters", "Samples", "Kernels", "LongContext",
-                     "LoopArguments", "flag", "parse"),
+                     "LoopArguments", "NonfiniteSteps", "flag", "parse"),
                     "finetune_kit.training.arguments"),
     **dict.fromkeys(("for_accelerate", "for_trainer"), "finetune_kit.training.input_checks"),
     **dict.fromkeys(("start", "optimizer_and_schedule", "max_grad_norm"), "finetune_kit.training.engine"),
     **dict.fromkeys(("Schedule", "Position", "Step", "steps"), "finetune_kit.training.loop"),
     "Checkpointer": "finetune_kit.training.checkpointing.checkpointer",
     "StopSignal": "finetune_kit.training.stop",
-    **dict.fromkeys(("Guard", "finite"), "finetune_kit.training.nonfinite"),
+    "finite": "finetune_kit.training.nonfinite",
     **dict.fromkeys(("DataSplit", "step_meter", "validation", "finish", "stopped", "batch_shape"),
                     "finetune_kit.training.records"),
     **dict.fromkeys(("save_trained", "save_consolidated", "save_adapter", "save_merged",
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
         LongContext,
         LoopArguments,
         ModelArguments,
+        NonfiniteSteps,
         Samples,
         flag,
         parse,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # the same names for editors, type checkers and import tracer
     )
     from finetune_kit.training.input_checks import for_accelerate, for_trainer
     from finetune_kit.training.loop import Position, Schedule, Step, steps
-    from finetune_kit.training.nonfinite import Guard, finite
+    from finetune_kit.training.nonfinite import finite
     from finetune_kit.training.records import DataSplit, batch_shape, finish, step_meter, stopped, validation
     from finetune_kit.training.samples import answers_before, sample_answers, sample_prompts
     from finetune_kit.training.sequence_parallel import (

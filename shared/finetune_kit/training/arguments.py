@@ -126,7 +126,17 @@ class LongContext:
 
 
 @dataclass
-class LoopArguments:
+class NonfiniteSteps:
+    """What a step whose loss or gradient norm is NaN or Inf does (training.nonfinite); every recipe's."""
+
+    on_nonfinite: str = flag("stop", "a step whose loss or gradient norm is NaN or Inf is never applied; stop: the "
+                                     "run stops there, no checkpoint after it, one line naming the step and its data "
+                                     "rows; skip: log it and train on", choices=("stop", "skip"))
+    max_nonfinite_skips: int = flag(3, "with --on-nonfinite skip: stop at this many non-finite steps in a row")
+
+
+@dataclass
+class LoopArguments(NonfiniteSteps):
     """The accelerate recipes' own training loop: batch, schedule, activation recomputation, compilation and fp8,
     checkpoints, logs."""
 
@@ -162,10 +172,6 @@ class LoopArguments:
     resume: str = flag("auto", "auto (default): continue from the newest complete checkpoint in --output, or start "
                                "fresh if there is none (never over a finished run); latest: the newest, also after a "
                                "finished run; or a checkpoint folder", nargs="?", const="latest")
-    on_nonfinite: str = flag("stop", "a step whose loss or gradient norm is NaN or Inf is never applied; stop: the "
-                                     "run stops there, no checkpoint after it, one line naming the step and its data "
-                                     "rows; skip: log it and train on", choices=("stop", "skip"))
-    max_nonfinite_skips: int = flag(3, "with --on-nonfinite skip: stop at this many non-finite steps in a row")
     log_every: int = flag(1, "optimizer steps between log lines")
     report_to: str = flag("none", "experiment tracker for the metrics.jsonl figures (install its package); none sends "
                                   "nothing", choices=trackers.CHOICES)

@@ -25,8 +25,10 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainerCallback
 
+from finetune_kit.data.batching import ROWS
 from finetune_kit.errors import ConfigError
 from finetune_kit.metering import keys, peak_memory
 from finetune_kit.metering.flops import FlopCounter, device_name
@@ -36,6 +38,7 @@ from finetune_kit.models.activation_offload import offload_activations
 from finetune_kit.planning import hardware
 from finetune_kit.training.checkpointing import checkpoints
 from finetune_kit.training.checkpointing.adam_resume import replay_bias_correction
+from finetune_kit.training.nonfinite import Guard
 from finetune_kit.training.stop import StopSignal, stop_line
 
 
@@ -52,6 +55,7 @@ class MeteredTrainer(Trainer):
         self.offload_activations = offload_activations
         self.flop_counter, self.endpoint, self.stopped_by = flop_counter, endpoint, None
         self.tally = StepTally(flop_counter)
+        self.step_loss, self.step_rows = torch.zeros(()), []  # this rank's, over the step's micro-batches
         self.rates = ThroughputMeter(self.args.world_size, peak_tflops=hardware.peak_bf16_tflops(device_name()))
         metering = MeteringCallback(self, MetricsLog(metrics_dir, enabled=self.is_world_process_zero()), endpoint)
         # First, so the figures it adds to a logged step reach the --report_to trackers' callbacks.
@@ -67,8 +71,15 @@ class MeteredTrainer(Trainer):
             self.endpoint = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.step_rows.extend(inputs.pop(ROWS, []))  # this micro-batch's source rows (a data.RowRecorder's)
         self.tally.add(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_loss = self.step_loss.to(loss.device) + loss.detach().float()  # no wait for the device here
+        return loss
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        inputs.pop(ROWS, None)  # an evaluation through the Trainer: the model must not see the rows either
+        return super().prediction_step(model, inputs, *args, **kwargs)
 
     def compute_loss_context_manager(self):
         """The forward and loss (not the backward) with the activations offloaded when asked."""
@@ -171,6 +182,23 @@ class StopCallback(TrainerCallback):
         self.trainer.accelerator.end_training()
 
 
+class NonfiniteCallback(TrainerCallback):
+    """At each step's end, before the Trainer saves: the step's loss (one all-reduce) and DeepSpeed's gradient norm
+    go to a :class:`~finetune_kit.training.nonfinite.Guard`. DeepSpeed has discarded a non-finite update itself;
+    the guard stops the run there in one line naming the step and its rows (``--on-nonfinite stop``) or logs it."""
+
+    def __init__(self, trainer: MeteredTrainer, policy, data: str):
+        self.trainer, self.guard = trainer, Guard(trainer.accelerator, policy, data)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        loss = t.accelerator.reduce(t.step_loss.to(t.accelerator.device), "sum").item() / t.accelerator.num_processes
+        rows, t.step_loss, t.step_rows = t.step_rows, torch.zeros(()), []
+        engine = getattr(t, "model_wrapped", None)
+        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        self.guard.judge(state.global_step, rows, loss, norm)
+
+
 class RoomToSaveCallback(TrainerCallback):
     """Before every checkpoint the Trainer is about to write, the disk must hold it: the newest
     checkpoint's size, or ``estimate`` bytes for the first (:func:`checkpoints.free_space_problem`).
@@ -243,6 +271,7 @@ def metered_trainer(checked, recipe_args, args, trainer: type = MeteredTrainer, 
     trainer = trainer(args=args, flop_counter=flop_counter, metrics_dir=checked.output,
                       endpoint=prometheus.open_endpoint(checked.recipe),
                       offload_activations=getattr(recipe_args, "offload_activations", False), **trainer_kwargs)
+    trainer.add_callback(NonfiniteCallback(trainer, checked.nonfinite, getattr(recipe_args, "data", "")))
     trainer.add_callback(StopCallback(trainer))
     trainer.add_callback(ResumeCallback(trainer))
     trainer.add_callback(RoomToSaveCallback(trainer, checked.checkpoint_estimate))  # sees the final should_save

@@ -257,7 +257,8 @@ def for_trainer(recipe: str, recipe_args, trainer_kwargs: dict, *, zero_stage: i
                         getattr(recipe_args, "save_model", True)),
         method=tuning.method, tuning=tuning,
         script_args={**vars(recipe_args), **{k: v for k, v in trainer_kwargs.items()
-                                             if k not in ("output_dir", "resume_from_checkpoint", "report_to")}})
+                                             if k not in ("output_dir", "resume_from_checkpoint", "report_to")}},
+        on_nonfinite=nonfinite.decide(recipe_args))
 
 
 @dataclasses.dataclass(frozen=True)

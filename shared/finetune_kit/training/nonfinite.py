@@ -82,18 +82,22 @@ class Guard:
         """True if step ``step`` (a :class:`~finetune_kit.training.loop.Step`) had a finite loss (the step's, over
         every rank) and gradient norm, as its ``record`` (the step meter's) holds them; else names it: a line and
         False with skip, NonfiniteStep raised with stop or at the limit. Every rank calls it and decides alike."""
-        loss, grad_norm = record[keys.LOSS.key], record.get(keys.GRAD_NORM.key)
+        return self.judge(step.number, step.example_ids, record[keys.LOSS.key], record.get(keys.GRAD_NORM.key))
+
+    def judge(self, number: int, rows: list[int], loss, grad_norm) -> bool:
+        """:meth:`check` of step ``number``, whose micro-batches on this rank held source ``rows`` (from 0)."""
         if finite(loss) and finite(grad_norm):
             self.in_a_row = 0
             return True
         self.in_a_row += 1
-        self.skipped.append(step.number)
-        rows = sorted(row + 1 for row in self._every_ranks_rows(step.example_ids))
+        self.skipped.append(number)
+        rows = sorted(row + 1 for row in self._every_ranks_rows(rows))
         from finetune_kit.data.formats import row_spans
 
         norm = "none" if grad_norm is None else f"{_number(grad_norm):g}"
-        what = (f"step {step.number} is not finite (loss {loss:g}, gradient norm {norm}); its micro-batches held "
-                f"{row_spans(rows, most=SPANS)} of data '{self.data}'")
+        loss = _number(loss)
+        held = f"held {row_spans(rows, most=SPANS)} of data '{self.data}'" if rows else "were not recorded by row"
+        what = f"step {number} is not finite (loss {loss:g}, gradient norm {norm}); its micro-batches {held}"
         if self.policy.action == "skip" and self.in_a_row < self.policy.limit:
             if self.accelerator.is_main_process:
                 print(f"\nskipped: {what}; its update was not applied ({self.in_a_row} in a row, "

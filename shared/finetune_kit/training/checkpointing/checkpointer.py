@@ -2,9 +2,10 @@
 
 The loop holds one (:class:`Checkpointer`) and calls ``save`` after every optimizer step; the
 checkpointer decides: every ``--save-every`` steps, at the schedule's last step, or when the job is
-told to stop. What a checkpoint holds and how it is written whole is :mod:`.checkpoints`; resuming on
-another number of ranks, :mod:`.resharding`; what DeepSpeed's load leaves out, :mod:`.adam_resume`
-and :mod:`.nvme_resume`.
+told to stop; never a step whose loss or gradient norm is not finite
+(:mod:`finetune_kit.training.nonfinite`). What a checkpoint holds and how it is written whole is
+:mod:`.checkpoints`; resuming on another number of ranks, :mod:`.resharding`; what DeepSpeed's load
+leaves out, :mod:`.adam_resume` and :mod:`.nvme_resume`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from finetune_kit.training.arguments import global_batch
 from finetune_kit.training.checkpointing import adam_resume, resharding
 from finetune_kit.training.checkpointing.checkpoints import MANIFEST, load_checkpoint, read_state, save_checkpoint
 from finetune_kit.training.loop import Position
+from finetune_kit.training.nonfinite import Guard
 
 
 class Checkpointer:
@@ -30,6 +32,7 @@ class Checkpointer:
         self.global_batch = global_batch(args, checked.data_ranks)
         # what the data position counts in: micro-batches of this size per rank reading its own rows
         self.data_ranks, self.micro_batch = checked.data_ranks, args.micro_batch_size
+        self.guard = Guard(accelerator, checked.nonfinite, args.data)  # --on-nonfinite stop|skip
 
     def resume(self, **load_kwargs):
         """Restore model, optimizer, schedule, RNG and data position from the checkpoint the checks chose
@@ -63,10 +66,14 @@ class Checkpointer:
         acc.print(f"resumed from {c.resume_from} at step {position.step}", flush=True)
         return position
 
-    def save(self, step, *, stopping: bool = False) -> Path | None:
-        """After optimizer step ``step`` (a :class:`~finetune_kit.training.loop.Step`): write
-        ``checkpoints/step_N`` when due -- every ``--save-every`` steps, at the last, or when the job
-        stops -- and return it; otherwise None. Every rank calls it."""
+    def save(self, step, record: dict, *, stopping: bool = False) -> Path | None:
+        """After optimizer step ``step`` (a :class:`~finetune_kit.training.loop.Step`) and its ``record`` (the step
+        meter's: loss, gradient norm): write ``checkpoints/step_N`` when due -- every ``--save-every`` steps, at the
+        last, or when the job stops -- and return it; otherwise None. Every rank calls it. A step whose loss or
+        gradient norm is NaN or Inf is never saved: ``--on-nonfinite stop`` stops the run here in one line naming
+        its rows (:class:`~finetune_kit.training.nonfinite.Guard`); with ``skip``, its update was not applied and
+        the weights saved are the step before's."""
+        self.guard.check(step, record)
         if not (stopping or (self.every and (step.number % self.every == 0 or step.last))):
             return None
         acc = self.accelerator
