@@ -223,6 +223,77 @@ def small_filesystem(path: Path, size: int):
         subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
+class _Filler:
+    """What :func:`fills_when_opened` did: ``opened`` the path whose opening made it fill (None: never),
+    ``when`` the ``time.monotonic()`` of the fill, ``taken`` the bytes it took."""
+
+    opened: str | None = None
+    when: float | None = None
+    taken: int = 0
+
+
+@contextlib.contextmanager
+def fills_when_opened(disk: Path, pattern: str):
+    """Another writer on the filesystem mounted at ``disk`` (:func:`small_filesystem`) that takes all of its free
+    room the moment a process opens a file whose path matches ``pattern`` (``re.search``), before that open
+    returns: a fanotify permission event holds the opener until this writer has filled the disk and answered. So
+    the fill lands at an exact point of a save (after any check of free space the saver made before opening the
+    file) on every run. The room is given back when the block ends. Skips where fanotify is not at hand (root
+    only, as CI runs)."""
+    import ctypes
+    import select
+    import struct
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+    fan = libc.fanotify_init(0x4 | 0x1, os.O_RDONLY)  # FAN_CLASS_CONTENT | FAN_CLOEXEC
+    if fan < 0:
+        pytest.skip(f"fanotify is not at hand here (root only): {os.strerror(ctypes.get_errno())}")
+    filler = os.open(disk / ".other-writer", os.O_CREAT | os.O_RDWR)  # opened before the mark: no event of its own
+    if libc.fanotify_mark(fan, 0x1 | 0x10, 0x10000, -100, str(disk).encode()) != 0:  # ADD|MOUNT, FAN_OPEN_PERM
+        os.close(fan)
+        pytest.skip(f"fanotify cannot watch {disk}: {os.strerror(ctypes.get_errno())}")
+    done, got, stopping = _Filler(), re.compile(pattern), threading.Event()
+
+    def fill() -> None:
+        chunk = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        while chunk >= 4096:
+            try:
+                os.posix_fallocate(filler, done.taken, chunk)
+                done.taken += chunk
+            except OSError:
+                chunk //= 2
+
+    def answer() -> None:
+        while not stopping.is_set():
+            if not select.select([fan], [], [], 0.05)[0]:
+                continue
+            events = os.read(fan, 4096)
+            while events:
+                length, _, _, _, _, fd, _ = struct.unpack("IBBHQii", events[:24])
+                try:
+                    path = os.readlink(f"/proc/self/fd/{fd}")
+                    if done.opened is None and got.search(path):
+                        fill()
+                        done.opened, done.when = path, time.monotonic()
+                finally:  # every open is let through, the one that filled the disk too
+                    os.write(fan, struct.pack("iI", fd, 0x1))  # FAN_ALLOW
+                    os.close(fd)
+                events = events[length:]
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield done
+    finally:
+        stopping.set()
+        thread.join()
+        os.close(fan)  # any open still waiting is let through
+        os.close(filler)
+        os.unlink(disk / ".other-writer")
+
+
 def poisoned_copy(model: Path, rows: list[dict], row: int, out: Path) -> tuple[Path, str]:
     """A copy of ``model`` (under ``out``) whose input embedding of one token is NaN, and ``rows`` with a row
     inserted as row ``row`` (counted from 1) that alone holds that token: the model itself computes a NaN loss for

@@ -49,6 +49,7 @@ from tests.harness import (
     assert_throughput_metrics,
     bad_input_args,
     checked,
+    fills_when_opened,
     free_port,
     killed_whole_after,
     launch_env,
@@ -1071,8 +1072,33 @@ def largest_file(checkpoint: Path) -> Path:
     return max((f for f in checkpoint.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
 
 
+@pytest.fixture(scope="module")
+def twelve_steps(recipe_copy, tiny_llama3, tmp_path_factory) -> tuple[list[str], Path]:
+    """12 optimizer steps uninterrupted (61 rows: 3 steps of 2 x 4 x 2 an epoch, 4 epochs), a checkpoint every 2:
+    its arguments but --output, and its output, that the runs killed, damaged or out of disk are compared with."""
+    folder = tmp_path_factory.mktemp("twelve")
+    rows = SAMPLE.read_text().splitlines()[:64]
+    data = write_jsonl(folder / "rows.jsonl", [json.loads(row) for row in rows])
+    args = [*sizes(tiny_llama3, data), "--epochs", "4", "--save-every", "2", "--keep-checkpoints", "0"]
+    assert_finished(launch(recipe_copy, *args, "--output", str(folder / "straight")), 12)
+    return args, folder / "straight"
+
+
+def assert_trained_like(output: Path, straight: Path, steps: list[int]) -> None:
+    """``output``'s metrics (every launch's lines) are ``steps``, each loss the uninterrupted run's bit for bit, and
+    its model/ is that run's, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    want = {m["step"]: m["loss"] for m in read_metrics(straight)}
+    got = read_metrics(output)
+    assert [m["step"] for m in got] == steps, [m["step"] for m in got]
+    assert all(m["loss"] == want[m["step"]] for m in got), [(m["step"], m["loss"] - want[m["step"]]) for m in got]
+    final, reference = load_file(output / "model/model.safetensors"), load_file(straight / "model/model.safetensors")
+    assert final.keys() == reference.keys() and all(torch.equal(final[name], reference[name]) for name in reference)
+
+
 def test_a_job_killed_whole_twice_resumes_bit_for_bit_past_damaged_checkpoints_and_a_second_launch_is_refused(
-        recipe_copy, tiny_llama3, tmp_path):
+        twelve_steps, recipe_copy, tmp_path):
     """Every process of the job SIGKILLed at once (a lost node, a killed container), then the same command again:
     it resumes from the newest complete checkpoint that verifies, and the losses and the final model are the
     uninterrupted run's, bit for bit. Before each relaunch the newest checkpoint is damaged on disk for real: its
@@ -1080,11 +1106,8 @@ def test_a_job_killed_whole_twice_resumes_bit_for_bit_past_damaged_checkpoints_a
     manifest's checksums see. Each relaunch names the damaged file and resumes from the checkpoint before it, once
     mid-epoch and once at an epoch boundary. While the first attempt ran, a second launch into its folder stopped
     before any rank started, naming the run that holds it."""
-    rows = SAMPLE.read_text().splitlines()[:64]  # 61 training rows: 3 optimizer steps of 2 x 4 x 2 per epoch
-    data = write_jsonl(tmp_path / "rows.jsonl", [json.loads(row) for row in rows])
-    args = [*sizes(tiny_llama3, data), "--epochs", "4", "--save-every", "2", "--keep-checkpoints", "0"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert_finished(launch(recipe_copy, *args, "--output", str(straight)), 12)
+    args, straight = twelve_steps
+    killed = tmp_path / "killed"
     command = accelerate_command(*args, "--output", str(killed), config="configs/zero3.yaml")
     with killed_whole_after(command, recipe_copy, killed, step=7) as first:  # checkpoints 2, 4 and 6 on disk
         second = run_command(checked(command), recipe_copy, timeout=300)
@@ -1109,14 +1132,59 @@ def test_a_job_killed_whole_twice_resumes_bit_for_bit_past_damaged_checkpoints_a
         name = damaged.relative_to(checkpoint)
         assert f"not resuming from {checkpoint}: it is damaged ({name} {what}" in log, log[-3000:]
         assert f"resumed from {killed / 'checkpoints'}/step_{step:06d} at step {step}" in log, log[-3000:]
-    want = {m["step"]: m["loss"] for m in read_metrics(straight)}
-    got = read_metrics(killed)  # every attempt's lines: 1-7, then 5-9 (from step 4), then 7-12 (from step 6)
-    assert [m["step"] for m in got] == [*range(1, 8), *range(5, 10), *range(7, 13)], [m["step"] for m in got]
-    assert all(m["loss"] == want[m["step"]] for m in got), [(m["step"], m["loss"] - want[m["step"]]) for m in got]
-    from safetensors.torch import load_file
+    # every attempt's lines: 1-7, then 5-9 (from step 4), then 7-12 (from step 6)
+    assert_trained_like(killed, straight, [*range(1, 8), *range(5, 10), *range(7, 13)])
 
-    final, reference = load_file(killed / "model/model.safetensors"), load_file(straight / "model/model.safetensors")
-    assert all(torch.equal(final[name], reference[name]) for name in reference)
+
+def test_a_disk_that_fills_mid_save_stops_every_rank_in_one_line_and_the_same_command_resumes_bit_for_bit(
+        twelve_steps, recipe_copy, tmp_path):
+    """The output on a real filesystem (tmpfs, 32 MiB), and another writer that takes all its free room at an exact
+    point of a save: when rank 1 opens its ZeRO shard of the step-4 checkpoint (after the save's check of free
+    space passed), then, in the next launch, when rank 0 opens the first file of model/ while rank 1 waits for it.
+    Each time every rank stops within seconds and the launch ends with one line: the folder, the bytes against
+    those free, what is kept. The partial folder is gone, the checkpoint before is complete and verifies (with
+    --keep-checkpoints 1, rotation waits for the new one), no model/ was put in place. Once the room is back, the
+    same command resumes: from step 2, then from step 12 (only model/ and the records left to write), and the
+    losses and the model are the uninterrupted run's, bit for bit."""
+    from finetune_kit.training.checkpointing import checkpoints
+
+    args, straight = twelve_steps
+    with small_filesystem(tmp_path / "disk", 32 * 2**20) as disk:
+        output = disk / "run"
+        ckpt = output / "checkpoints"
+        run_launch = accelerate_command(*args, "--keep-checkpoints", "1", "--output", str(output),
+                                        config="configs/zero3.yaml")
+        logs = []
+        for pattern, what, where, kept in (
+                (r"step_000004\.partial/.*zero_pp_rank_1_", "the step-4 checkpoint", ckpt,
+                 rf"The newest complete checkpoint is {ckpt}/step_000002 \(kept\)\. Free space on that disk "
+                 r"\(--keep-checkpoints 1 keeps only the newest checkpoint\) or point --output at a larger one, "
+                 r"then relaunch the same command: it resumes from the newest complete checkpoint\."),
+                (r"/model\.partial/", "model/", output,
+                 r"Free space on that disk or point --output at a larger one; relaunch the same command: it resumes "
+                 rf"from the run's newest checkpoint, {ckpt}/step_000012, and writes model/\.")):
+            with fills_when_opened(disk, pattern) as other_writer:
+                proc = run_command(checked(run_launch), recipe_copy, timeout=600)
+                ended = time.monotonic()
+            logs.append(proc.stdout)
+            assert other_writer.opened, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert_one_line_error(proc, rf"{re.escape(what)} did not fit on disk: '{re.escape(str(where))}' filled up "
+                                        r"while it was written \((No space left on device|a write failed|another "
+                                        r"rank's write failed)\); it takes about [\d.]+ MiB and [\d.]+ MiB are free "
+                                        rf"now \(its partial folder removed\)\. {kept}", status=1)
+            print(f"{what}: every process gone {ended - other_writer.when:.1f} s after the disk filled")
+            assert ended - other_writer.when < 30
+            assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+            assert not list(ckpt.glob("*.partial")) and not (output / "model").exists()
+            assert not (output / "model.partial").exists()
+            newest = checkpoints.list_checkpoints(output)  # complete, and it verifies
+            assert [p.name for p in newest] == ["step_000002" if what != "model/" else "step_000012"]
+            assert checkpoints.verify(newest[-1]) == newest[-1]
+        assert f"resumed from {ckpt}/step_000002 at step 2" in logs[1], logs[1][-3000:]
+        last = warm_run(run_launch, recipe_copy)  # the failed launches were real; the ranks compared
+        assert_finished(last, 12)
+        assert f"resumed from {ckpt}/step_000012 at step 12" in last.stdout, last.stdout[-3000:]
+        assert_trained_like(output, straight, [*range(1, 5), *range(3, 13)])
 
 
 def test_a_checkpoint_resumes_on_another_number_of_ranks(run, recipe_copy, tiny_llama3, tmp_path):

@@ -54,7 +54,10 @@ class StepMeter:
     def step(self, step, grad_norm: float | None = None) -> dict:
         """Close optimizer step ``step`` (a :class:`~finetune_kit.training.loop.Step`: its number, epoch,
         learning rate, rows and start time; collectives: every rank calls it); return its metrics.
-        ``grad_norm``: the whole gradient's norm before clipping, where the engine reports one."""
+        ``grad_norm``: the whole gradient's norm before clipping, where the engine reports one. A step ``taken``
+        by an earlier launch (resumed at the schedule's end) has nothing to meter: ``{}``."""
+        if step.taken:
+            return {}
         acc = self.accelerator
         loss = acc.reduce(self._loss.to(acc.device), "sum").item()
         self._loss = torch.zeros(())

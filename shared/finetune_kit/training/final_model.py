@@ -1,7 +1,9 @@
 """What a run leaves at the end: the consolidated model, the Trainer's model, or the LoRA adapter.
 
 Each is written whole or not at all (``outputs.written_whole``: an interrupted write leaves the
-previous copy in place). Every rank calls; one writes.
+previous copy in place). Every rank calls; one writes. A disk without room for it stops the run before
+the write, and a disk that fills during it stops every rank with one line (``disk_full``); the last
+checkpoint is kept, and the same command resumes there and writes it.
 
     <output>/model/     consolidated 16-bit safetensors + tokenizer (full fine-tunes), loadable
                         with plain ``AutoModelForCausalLM.from_pretrained``; the tokenizer carries the
@@ -13,10 +15,14 @@ previous copy in place). Every rank calls; one writes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from finetune_kit.models import qlora
 from finetune_kit.outputs import written_whole
+from finetune_kit.training.checkpointing.checkpoints import list_checkpoints, same_on_every_rank
+from finetune_kit.training.disk_full import DiskFull, room_for, short_of_room
 
 
 def save_consolidated(accelerator, model, tokenizer, out: Path, template=None) -> Path:
@@ -33,17 +39,42 @@ def save_consolidated(accelerator, model, tokenizer, out: Path, template=None) -
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if accelerator.is_main_process and state_dict and isinstance(dtype, torch.dtype):
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    if accelerator.is_main_process:
-        with written_whole(out) as folder:
-            unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-            if isinstance(dtype, torch.dtype):  # save_pretrained records the modules' dtype (FSDP2: fp32)
-                unwrapped.config.dtype = dtype
-                unwrapped.config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            if template is not None:
-                chat_ready(folder, tokenizer, template)
-    accelerator.wait_for_everyone()
+    with _in_room(accelerator, Path(out), _bytes(state_dict)):
+        if accelerator.is_main_process:
+            with written_whole(out) as folder:
+                unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+                if isinstance(dtype, torch.dtype):  # save_pretrained records the modules' dtype (FSDP2: fp32)
+                    unwrapped.config.dtype = dtype
+                    unwrapped.config.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                if template is not None:
+                    chat_ready(folder, tokenizer, template)
+        accelerator.wait_for_everyone()
     return Path(out)
+
+
+def _bytes(state_dict: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state_dict.values()) if state_dict else 0
+
+
+@contextmanager
+def _in_room(accelerator, out: Path, needed: int) -> Iterator[None]:
+    """The final save of ``out`` (about ``needed`` bytes on rank 0, the writer), every rank in: refused before
+    it starts where its disk has not the room, and stopped in one line where it fills during it
+    (:func:`~finetune_kit.training.disk_full.room_for`); the run's newest checkpoint is named in both."""
+    needed = same_on_every_rank(accelerator, needed)
+    newest = list_checkpoints(out.parent)
+    before = f"the {out.name}/ saved before is kept; " if out.is_dir() else ""
+    kept = (f"Free space on that disk or point --output at a larger one; {before}relaunch the same command: it "
+            + (f"resumes from the run's newest checkpoint, {newest[-1]}, and writes {out.name}/." if newest else
+               "trains the run again (it saved no checkpoint)."))
+    short = short_of_room(out.parent, needed) if accelerator.is_main_process else None
+    short = same_on_every_rank(accelerator, short)
+    if short:
+        raise DiskFull(f"{out.name}/ was not written: '{out.parent}' has no room for it: {short}. {kept}")
+    with room_for(out.parent, out.with_name(out.name + ".partial"), needed, what=f"{out.name}/", kept=kept,
+                  writer=accelerator.is_main_process):
+        yield
 
 
 def save_trainer_model(trainer, out: Path, template=None) -> Path:
@@ -100,13 +131,15 @@ def save_adapter(accelerator, model, tokenizer, out: Path, template=None, *, bas
         empty = [name for name, t in state.items() if t.numel() == 0]
         if empty:
             raise RuntimeError(f"adapter tensors are empty after gathering: {empty[:3]}")
-        with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
-            unwrapped.save_pretrained(folder, state_dict=state, safe_serialization=True,
-                                      save_embedding_layers=bool(resized))
-            tokenizer.save_pretrained(folder)
-            if template is not None:
-                chat_ready(folder, tokenizer, template)
-    accelerator.wait_for_everyone()
+    with _in_room(accelerator, Path(out), _bytes(state) if accelerator.is_main_process else 0):
+        if accelerator.is_main_process:
+            with written_whole(out) as folder:  # an interrupted write leaves the previous adapter whole
+                unwrapped.save_pretrained(folder, state_dict=state, safe_serialization=True,
+                                          save_embedding_layers=bool(resized))
+                tokenizer.save_pretrained(folder)
+                if template is not None:
+                    chat_ready(folder, tokenizer, template)
+        accelerator.wait_for_everyone()
     return Path(out)
 
 

@@ -22,6 +22,7 @@ class Position:
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
+    finished: bool = False  # resumed from the output of a finished run (its run record written): not saved
 
     def as_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
@@ -65,13 +66,21 @@ class Step:
     lr: float  # the learning rate it trains with
     example_ids: list[int]  # the source rows of this rank's micro-batches
     started: float  # time.perf_counter() when its first micro-batch was read: data loading is training time
+    taken: bool = False  # taken by an earlier launch (see steps): nothing to train, meter or save
 
 
 def steps(accelerator, train_dl, scheduler, schedule: Schedule, start: Position) -> Iterator[Step]:
     """The optimizer steps from ``start`` to the schedule's last, epoch after epoch (the prepared loader's
-    seedable sampler gives each epoch its order, so a resumed run reads what the uninterrupted one read);
-    at least one (ConfigError when ``start`` is the schedule's end). ``example_ids`` is taken off each
-    batch and kept in the step."""
+    seedable sampler gives each epoch its order, so a resumed run reads what the uninterrupted one read).
+    ``example_ids`` is taken off each batch and kept in the step. A run resumed at the schedule's last step
+    that has not finished (its final save did not complete: a full disk) gets that step once more, already
+    ``taken``, with no micro-batches: the loop passes over it to the end of the run, which it writes. Past
+    the last step, or at it in a finished run's output: ConfigError, nothing is left to train."""
+    if start.step == schedule.total_steps and not start.finished:
+        last_epoch = start.epoch - 1 if start.batch_in_epoch == 0 else start.epoch
+        yield Step([], torch.zeros(()), 1, start.step, last_epoch, start.batch_in_epoch == 0, True, start,
+                   scheduler.get_last_lr()[0], [], time.perf_counter(), taken=True)
+        return
     if start.step >= schedule.total_steps:
         raise ConfigError(f"the run resumes at step {start.step}, and the schedule ends at step "
                           f"{schedule.total_steps}: nothing is left to train. Raise --epochs or --max-steps to "

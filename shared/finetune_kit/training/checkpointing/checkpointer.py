@@ -16,7 +16,13 @@ from pathlib import Path
 from finetune_kit.launch import nvme
 from finetune_kit.training.arguments import global_batch
 from finetune_kit.training.checkpointing import adam_resume, resharding
-from finetune_kit.training.checkpointing.checkpoints import MANIFEST, load_checkpoint, read_state, save_checkpoint
+from finetune_kit.training.checkpointing.checkpoints import (
+    FINISHED,
+    MANIFEST,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from finetune_kit.training.loop import Position
 from finetune_kit.training.nonfinite import Guard
 
@@ -62,7 +68,8 @@ class Checkpointer:
             adam_resume.replay_bias_correction(acc.deepspeed_engine_wrapped.engine.optimizer)
         # another number of data ranks (ranks, or the sequence-parallel size) or micro-batch counts the position anew
         state = resharding.reshaped_position(state, data_ranks=self.data_ranks, micro_batch=self.micro_batch)
-        position = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+        position = Position(state["step"], state["epoch"], state["batch_in_epoch"],
+                            finished=(c.output / FINISHED).is_file())
         acc.print(f"resumed from {c.resume_from} at step {position.step}", flush=True)
         return position
 
@@ -72,7 +79,9 @@ class Checkpointer:
         last, or when the job stops -- and return it; otherwise None. Every rank calls it. A step whose loss or
         gradient norm is NaN or Inf is never saved: ``--on-nonfinite stop`` stops the run here in one line naming
         its rows (:class:`~finetune_kit.training.nonfinite.Guard`); with ``skip``, its update was not applied and
-        the weights saved are the step before's."""
+        the weights saved are the step before's. A step ``taken`` by an earlier launch is not saved again."""
+        if step.taken:
+            return None
         self.guard.check(step, record)
         if not (stopping or (self.every and (step.number % self.every == 0 or step.last))):
             return None

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune_kit.errors import ConfigError
+from finetune_kit.training.disk_full import MARGIN as FREE_SPACE_MARGIN
+from finetune_kit.training.disk_full import free_bytes, gib, room_for
 
 STATE_FILE = "trainer_state.json"  # the same name as the Trainer's, written last in both layouts
 MANIFEST = "manifest.json"  # files, sizes and checksums of a complete checkpoint (recipe layout)
@@ -45,7 +47,6 @@ PARTIAL = ".partial"  # suffix of a checkpoint still being written
 FINISHED = "run_record.json"  # written at the end of a run: the output holds finished work
 PREFIX = "step_"
 DS_TAG = "pytorch_model"  # the folder accelerate.save_state gives DeepSpeed's own checkpoint
-FREE_SPACE_MARGIN = 1.1  # free disk needed = the checkpoint's predicted size x this
 
 
 @dataclass(frozen=True)
@@ -253,28 +254,36 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
     """Save a resumable checkpoint atomically (all ranks must call); then prune to the newest ``keep``.
 
     First, the disk must hold it: the size of the newest checkpoint (or ``estimate`` bytes for the
-    first one) with a margin; otherwise every rank raises ConfigError and nothing is touched."""
-    path = checkpoint_path(output, step)
-    problem = free_space_problem(output, predicted_bytes(output, estimate)) if accelerator.is_main_process else None
+    first one) with a margin; otherwise every rank raises ConfigError and nothing is touched. A disk
+    that fills while it is written (another writer, a quota) stops every rank with
+    :class:`~finetune_kit.training.disk_full.DiskFull`: the partial folder is removed, the complete
+    checkpoints are untouched (none is pruned before the new one is complete)."""
+    path, needed = checkpoint_path(output, step), predicted_bytes(output, estimate)
+    problem = free_space_problem(output, needed) if accelerator.is_main_process else None
     problem = same_on_every_rank(accelerator, problem)
+    newest = list_checkpoints(output)
+    kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
     if problem:
-        newest = list_checkpoints(output)
-        kept = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved yet"
         raise ConfigError(f"not saving the step-{step} checkpoint: {problem}; {kept}. Relaunch the same "
                           "command once there is room: it resumes from the newest complete checkpoint.")
     partial = path.with_name(path.name + PARTIAL)
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)  # an earlier, interrupted save of the same step
     accelerator.wait_for_everyone()
-    began = time.perf_counter()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()  # every rank's shards are on disk
-    saved = time.perf_counter()
-    sums = _gathered(accelerator, own_checksums(partial, accelerator.process_index))  # each rank its own files
-    hashed = time.perf_counter()
+    with room_for(checkpoint_root(output), partial, needed, what=f"the step-{step} checkpoint",
+                  kept=f"{kept[0].upper()}{kept[1:]} (kept). {_ROOM_FIX}", writer=accelerator.is_main_process):
+        began = time.perf_counter()
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+        saved = time.perf_counter()
+        sums = _gathered(accelerator, own_checksums(partial, accelerator.process_index))  # each rank its own files
+        hashed = time.perf_counter()
+        if accelerator.is_main_process:
+            (partial / STATE_FILE).write_text(json.dumps(state, indent=2))
+            write_manifest(partial, sums, save_seconds=round(saved - began, 4),
+                           checksum_seconds=round(hashed - saved, 4))
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=2))
-        write_manifest(partial, sums, save_seconds=round(saved - began, 4), checksum_seconds=round(hashed - saved, 4))
         if path.exists():  # the same step saved before (a resumed run): replaced only now, complete
             shutil.rmtree(path)
         partial.rename(path)
@@ -283,6 +292,10 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path
+
+
+_ROOM_FIX = ("Free space on that disk (--keep-checkpoints 1 keeps only the newest checkpoint) or point --output at a "
+             "larger one, then relaunch the same command: it resumes from the newest complete checkpoint.")
 
 
 def _gathered(accelerator, checksums: dict[str, str]) -> dict[str, str]:
@@ -331,12 +344,12 @@ def planned_room_warning(output: Path, checkpoint: int, keep: int, final: int, l
     root = checkpoint_root(output, layout)
     existing = next(p for p in (root, *root.parents) if p.exists())
     held = sum(f.stat().st_size for c in list_checkpoints(output, layout) for f in c.rglob("*") if f.is_file())
-    free, needed = shutil.disk_usage(existing).free, count * checkpoint + final
+    free, needed = free_bytes(root), count * checkpoint + final
     if free + held >= needed:  # the checkpoints already there count: rotation deletes them
         return None
     kept = f"{keep_flag} {keep} keeps {keep} at once" if keep > 0 else f"{keep_flag} 0 keeps every one (counted: 2)"
-    return (f"warning: '{existing}' has {_gib(free)} free; this run needs about {_gib(needed)} there ({count} "
-            f"checkpoints of {_gib(checkpoint)}: {kept}, plus one being written; and {_gib(final)} for the final "
+    return (f"warning: '{existing}' has {gib(free)} free; this run needs about {gib(needed)} there ({count} "
+            f"checkpoints of {gib(checkpoint)}: {kept}, plus one being written; and {gib(final)} for the final "
             f"save). It starts, but a save will stop it once the disk is full: free space, lower {keep_flag}, or point "
             "the output at a larger disk.")
 
@@ -355,18 +368,13 @@ def free_space_problem(output: Path, needed: int, layout: Layout = RECIPE_LAYOUT
     """None if the disk of ``output``'s checkpoints has room for ``needed`` bytes (with the margin),
     else a sentence with both numbers and the fix."""
     root = checkpoint_root(output, layout)
-    existing = next(p for p in (root, *root.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = free_bytes(root)
     if free >= needed * FREE_SPACE_MARGIN:
         return None
     keep = "--keep-checkpoints 1" if layout.atomic else "--save_total_limit 1"
-    return (f"'{root}' has {_gib(free)} free and a checkpoint takes about {_gib(needed)} (x{FREE_SPACE_MARGIN} "
+    return (f"'{root}' has {gib(free)} free and a checkpoint takes about {gib(needed)} (x{FREE_SPACE_MARGIN} "
             f"margin). Free space on that disk ({keep} keeps only the newest checkpoint), or point the output "
             "at a larger disk")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
 # ---- a resume must continue the same run ----
