@@ -294,17 +294,24 @@ def fills_when_opened(disk: Path, pattern: str):
         os.unlink(disk / ".other-writer")
 
 
-def poisoned_copy(model: Path, rows: list[dict], row: int, out: Path) -> tuple[Path, str]:
+POISON_WORD = "qoxwyzzj"  # no row of the samples holds it: its tokens are the poisoned row's alone
+
+
+def poisoned_copy(model: Path, rows: list[dict], row: int, out: Path, text=None, inserted: dict | None = None,
+                  ) -> tuple[Path, str]:
     """A copy of ``model`` (under ``out``) whose input embedding of one token is NaN, and ``rows`` with a row
     inserted as row ``row`` (counted from 1) that alone holds that token: the model itself computes a NaN loss for
-    that row and for no other. Returns the model folder and the rows' JSONL file."""
+    that row and for no other. ``text``: a row's text (default: prompt and response); ``inserted``: the row (default:
+    a prompt and response). Returns the model folder and the rows' file (JSON lines; a review's: CSV)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
+    text = text or (lambda r: f"{r['prompt']} {r['response']}")
     rows = list(rows)
-    rows.insert(row - 1, {"prompt": "Define the word 'qoxwyzzj'.", "response": "'qoxwyzzj' is no word."})
+    rows.insert(row - 1, inserted or {"prompt": f"Define the word '{POISON_WORD}'.",
+                                      "response": f"'{POISON_WORD}' is no word."})
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tokens = [set(tokenizer(f"{r['prompt']} {r['response']}")["input_ids"]) for r in rows]
+    tokens = [set(tokenizer(text(r))["input_ids"]) for r in rows]
     others = set().union(*(t for i, t in enumerate(tokens) if i != row - 1))
     token = min(tokens[row - 1] - others)  # only this row has it
     copy = out / "poisoned"
@@ -312,7 +319,15 @@ def poisoned_copy(model: Path, rows: list[dict], row: int, out: Path) -> tuple[P
     weights = load_file(copy / "model.safetensors")
     weights["model.embed_tokens.weight"][token] = float("nan")
     save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
-    return copy, write_jsonl(out / "rows.jsonl", rows)
+    if inserted is None:
+        return copy, write_jsonl(out / "rows.jsonl", rows)
+    import csv
+
+    with (out / "rows.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return copy, str(out / "rows.csv")
 
 
 def nonfinite_lines(proc, prefix: str) -> list[str]:

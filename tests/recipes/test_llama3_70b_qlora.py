@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from tests.harness import (
+    POISON_WORD,
     REPO,
     SAMPLE_CHAT,
     SAMPLE_REVIEWS,
@@ -45,16 +46,21 @@ from tests.harness import (
     assert_resumed_like_uninterrupted,
     assert_throughput_metrics,
     bad_input_args,
+    fills_when_opened,
     free_port,
     launch_nodes,
     load_script,
     losses,
     make_target,
+    named_rows,
     netns_unavailable,
+    nonfinite_lines,
+    poisoned_copy,
     read_metrics,
     read_run_info,
     run_and_signal,
     side_by_side,
+    small_filesystem,
     split_args,
     two_hosts,
     wait_all,
@@ -519,6 +525,120 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_passed_over_by_auto(run, re
     assert re.search(rf"not resuming from {re.escape(str(newest))}: it is damaged \({name} has the size the manifest "
                      rf"says but not its contents .*\); resuming from step_{SAVE_EVERY:06d}, the newest checkpoint "
                      "that verifies", capsys.readouterr().out)
+
+
+def test_a_disk_that_fills_mid_save_stops_both_nodes_in_one_line_each_and_the_same_commands_resume(
+        run, recipe_copy, tiny_llama3, tmp_path):
+    """The two nodes' output on a real filesystem (tmpfs, 32 MiB), and another writer that takes all its free room
+    when the worker's rank opens its ZeRO shard of the step-6 checkpoint, then, in the next launch, when the main
+    rank opens the first file of adapter/ while the worker waits for it. Each time both nodes stop within seconds,
+    each with one line: the folder, the bytes against those free, what is kept; the partial folder is gone, the
+    newest complete checkpoint verifies, no adapter/ was put in place. Once the room is back, the same two commands
+    resume from step 3, then from step 6 (only adapter/ and the records to write): the uninterrupted run's losses
+    and adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    from finetune_kit.training.checkpointing import checkpoints
+
+    with small_filesystem(tmp_path / "disk", 32 * 2**20) as disk:
+        output = disk / "run"
+        ckpt = output / "checkpoints"
+        args = (*sizes(tiny_llama3), "--output", str(output), "--max-steps", str(STEPS), "--save-every",
+                str(SAVE_EVERY), "--keep-checkpoints", "1")
+        for pattern, what, where, newest, kept in (
+                (rf"step_{STEPS:06d}\.partial/.*zero_pp_rank_1_", f"the step-{STEPS} checkpoint", ckpt, SAVE_EVERY,
+                 rf"The newest complete checkpoint is {ckpt}/step_{SAVE_EVERY:06d} \(kept\)\. Free space .*"),
+                (r"/adapter\.partial/", "adapter/", output, STEPS,
+                 r"Free space on that disk or point --output at a larger one; relaunch the same command: it resumes "
+                 rf"from the run's newest checkpoint, {ckpt}/step_{STEPS:06d}, and writes adapter/\.")):
+            with fills_when_opened(disk, pattern) as other_writer:
+                nodes = launch_two_nodes(recipe_copy, *args)
+                ended = time.monotonic()
+            assert other_writer.opened, nodes[0].stdout[-3000:] + nodes[0].stderr[-3000:]
+            for node in nodes:  # one line each: every node's launcher has a log of its own
+                said = [line for line in node.stderr.splitlines() if line.startswith("error: ")]
+                assert node.returncode != 0 and len(said) == 1, node.stderr[-4000:]
+                assert re.fullmatch(rf"error: {re.escape(what)} did not fit on disk: '{re.escape(str(where))}' filled "
+                                    r"up while it was written \((No space left on device|a write failed|another "
+                                    r"rank's write failed)\); it takes about [\d.]+ MiB and [\d.]+ MiB are free now "
+                                    rf"\(its partial folder removed\)\. {kept}", said[0]), said[0]
+                assert "[rank0]: Traceback" not in node.stderr and "[rank1]: Traceback" not in node.stderr
+            print(f"{what}: both nodes gone {ended - other_writer.when:.1f} s after the disk filled")
+            assert ended - other_writer.when < 30
+            assert not list(ckpt.glob("*.partial")) and not (output / "adapter").exists()
+            assert not (output / "adapter.partial").exists()
+            complete = checkpoints.list_checkpoints(output)
+            assert [p.name for p in complete] == [f"step_{newest:06d}"]
+            assert checkpoints.verify(complete[-1]) == complete[-1]
+        assert_ok(launch_two_nodes(recipe_copy, *args, warm=True))  # the failed launches were real
+        assert [m["step"] for m in read_metrics(output)] == [*range(1, STEPS + 1), *range(SAVE_EVERY + 1, STEPS + 1)]
+        assert losses(output) == [*losses(run), *losses(run)[SAVE_EVERY:]]  # bit for bit
+        got, want = (load_file(o / "adapter/adapter_model.safetensors") for o in (output, run))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+POISONED_ROW = 6  # of 41 reviews: in the training split, after the first step
+
+
+def test_a_nan_step_stops_both_nodes_before_it_is_applied_naming_its_rows(tiny_llama3, recipe_copy, tmp_path):
+    """A review whose token the 4-bit model turns into NaN (its embedding poisoned in the saved base, nothing
+    patched): at the step that holds it, DeepSpeed discards the update and both nodes stop there, each with one line
+    naming the step, the values and the rows of the step's micro-batches on both ranks, the poisoned review among
+    them. The checkpoint before (every step's, --keep-checkpoints 1) is kept, complete, its LoRA weights finite; no
+    adapter/ is written. With --on-nonfinite skip the run trains to its end past that step, its adapter finite."""
+    import csv
+
+    from safetensors.torch import load_file
+
+    from finetune_kit.training.checkpointing import checkpoints
+
+    with SAMPLE.open(newline="") as f:
+        rows = list(csv.DictReader(f))[:40]
+    model, data = poisoned_copy(tiny_llama3, rows, POISONED_ROW, tmp_path, text=lambda r: r["text"],
+                                inserted={"rating": "1", "title": "Odd", "text": f"The {POISON_WORD} broke."})
+    args = [*sizes(model), "--data", data, "--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "1"]
+    stopped = tmp_path / "stopped"
+    nodes = launch_two_nodes(recipe_copy, *args, "--output", str(stopped), warm=True)
+    steps = set()
+    for node in nodes:  # one line each: every node's launcher has a log of its own
+        errors = nonfinite_lines(node, "error: ")
+        assert node.returncode == 1 and len(errors) == 1, node.stderr[-3000:]
+        found = re.fullmatch(r"error: step (\d+) is not finite \(loss nan, gradient norm [^)]*\); its micro-batches "
+                             r"held rows? [\d, -]+ \((\d+)\) of data '.*rows\.csv'\. Stopped there \(--on-nonfinite "
+                             r"stop\): its update was not applied and no checkpoint was taken after it, .*", errors[0])
+        assert found and POISONED_ROW in named_rows(errors[0]) and int(found[2]) == 16, errors[0]  # 2 x 4 x 2 rows
+        steps.add(int(found[1]))
+    (step,) = steps  # both nodes name the same step; one after the first, so that a checkpoint comes before it
+    assert step > 1, step
+    logged = read_metrics(stopped)
+    assert [m["step"] for m in logged] == list(range(1, step + 1)) and all(m["loss"] == m["loss"] for m in logged[:-1])
+    complete = checkpoints.list_checkpoints(stopped)
+    assert [p.name for p in complete] == [f"step_{step - 1:06d}"]
+    checkpoints.verify(complete[0])
+    shards = [torch.load(f, weights_only=False) for f in complete[0].rglob("*optim_states.pt")]
+    assert shards and all(torch.isfinite(t).all() for shard in shards for t in _tensors(shard) if t.is_floating_point())
+    assert not (stopped / "adapter").exists() and not (stopped / "run_record.json").exists()
+
+    skipped = tmp_path / "skipped"
+    nodes = launch_two_nodes(recipe_copy, *args, "--on-nonfinite", "skip", "--output", str(skipped), warm=True)
+    assert_ok(nodes)
+    lines = nonfinite_lines(nodes[0], "skipped: step ")
+    assert lines and lines[0].startswith(f"skipped: step {step} is not finite (loss nan"), lines
+    assert all(POISONED_ROW in named_rows(line) for line in lines), lines
+    adapter = load_file(skipped / "adapter/adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def _tensors(value):
+    """Every tensor in a nested checkpoint structure."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):

@@ -76,7 +76,14 @@ def report_bad_input(err: UserInputError) -> None:
             return
         except OSError:
             pass  # no file to write after all: say it here
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    print(f"{_fresh_line()}error: {err}", file=sys.stderr, flush=True)
+
+
+def _fresh_line() -> str:
+    """A newline where a progress bar (tqdm's, which ends no line while it runs) holds the line, else nothing: the
+    error starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    return "\n" if tqdm is not None and getattr(getattr(tqdm, "tqdm", None), "_instances", None) else ""
 
 
 def _process_group_up() -> bool:
@@ -109,7 +116,7 @@ def run_main(main: Callable[[], None]) -> None:
         message = peer_failure(err)
         if message is None:
             raise
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"{_fresh_line()}error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # the process group is broken: tearing it down could wait on the dead peer
         return

@@ -73,8 +73,10 @@ def _number(value) -> float:
 class Guard:
     """One per run, on every rank: :meth:`check` after each step's record."""
 
-    def __init__(self, accelerator, policy: Policy, data: str):
-        self.accelerator, self.policy, self.data = accelerator, policy, data
+    def __init__(self, accelerator, policy: Policy, data: str | list[str]):
+        """``data``: the --data path, or paths (rows are numbered over all of them, in order)."""
+        self.accelerator, self.policy = accelerator, policy
+        self.data = ", ".join(data) if isinstance(data, (list, tuple)) else data
         self.in_a_row = 0
         self.skipped: list[int] = []  # the steps skipped, for the run's records
 
