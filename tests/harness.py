@@ -294,6 +294,20 @@ def fills_when_opened(disk: Path, pattern: str):
         os.unlink(disk / ".other-writer")
 
 
+def tensors_in(value):
+    """Every tensor in a nested structure (a checkpoint's dicts, lists and tuples)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+
+
 POISON_WORD = "qoxwyzzj"  # no row of the samples holds it: its tokens are the poisoned row's alone
 
 

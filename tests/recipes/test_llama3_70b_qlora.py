@@ -62,6 +62,7 @@ from tests.harness import (
     side_by_side,
     small_filesystem,
     split_args,
+    tensors_in,
     two_hosts,
     wait_all,
     warm_launch,
@@ -616,7 +617,8 @@ def test_a_nan_step_stops_both_nodes_before_it_is_applied_naming_its_rows(tiny_l
     assert [p.name for p in complete] == [f"step_{step - 1:06d}"]
     checkpoints.verify(complete[0])
     shards = [torch.load(f, weights_only=False) for f in complete[0].rglob("*optim_states.pt")]
-    assert shards and all(torch.isfinite(t).all() for shard in shards for t in _tensors(shard) if t.is_floating_point())
+    assert shards and all(torch.isfinite(t).all() for shard in shards for t in tensors_in(shard)
+                          if t.is_floating_point())
     assert not (stopped / "adapter").exists() and not (stopped / "run_record.json").exists()
 
     skipped = tmp_path / "skipped"
@@ -627,18 +629,6 @@ def test_a_nan_step_stops_both_nodes_before_it_is_applied_naming_its_rows(tiny_l
     assert all(POISONED_ROW in named_rows(line) for line in lines), lines
     adapter = load_file(skipped / "adapter/adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())
-
-
-def _tensors(value):
-    """Every tensor in a nested checkpoint structure."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def test_output_with_checkpoints_is_not_overwritten(run, recipe_copy, tiny_llama3):

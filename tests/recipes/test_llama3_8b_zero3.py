@@ -67,6 +67,7 @@ from tests.harness import (
     side_by_side,
     small_filesystem,
     split_args,
+    tensors_in,
     wait_all,
     warm_launch,
     warm_run,
@@ -1537,7 +1538,8 @@ def test_a_nan_step_stops_the_run_before_it_is_applied_naming_its_rows(poisoned,
 
         checkpoints.verify(newest)
         shards = [torch.load(f, weights_only=False) for f in newest.rglob("*optim_states.pt")]
-        bad = sum(int((~torch.isfinite(t)).sum()) for shard in shards for t in _tensors(shard) if t.is_floating_point())
+        bad = sum(int((~torch.isfinite(t)).sum()) for shard in shards for t in tensors_in(shard)
+                  if t.is_floating_point())
         hidden = json.loads((model / "config.json").read_text())["hidden_size"]
         assert shards and bad == hidden  # the fp32 master of the poisoned row as it came; every moment finite
     assert not (stopped / "model").exists() and not (stopped / "run_record.json").exists()
@@ -1567,18 +1569,6 @@ def test_a_nan_step_stops_the_run_before_it_is_applied_naming_its_rows(poisoned,
         embed = final.pop("model.embed_tokens.weight")
         assert int((~torch.isfinite(embed)).any(dim=1).sum()) == 1  # the poisoned token's row, as it came
         assert all(torch.isfinite(t).all() for t in final.values())
-
-
-def _tensors(value):
-    """Every tensor in a nested checkpoint structure."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def test_an_output_disk_too_small_for_the_run_is_warned_of_before_it_starts(recipe_main, tiny_llama3, tmp_path,
