@@ -83,9 +83,10 @@ def room_for(folder: Path, partial: Path, needed: int, *, what: str, kept: str, 
         why = reason(err)
         if why is None and not (peer_failure(err) and short_of_room(folder, needed)):
             raise
-        if writer:
+        free = free_bytes(folder)
+        if writer:  # its room back, counted now: a file the failed write left open is freed once this process ends
+            free += sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.is_dir() else 0
             shutil.rmtree(partial, ignore_errors=True)
         why = why or "another rank's write failed"
         raise DiskFull(f"{what} did not fit on disk: '{folder}' filled up while it was written ({why}); it takes "
-                       f"about {gib(needed)} and {gib(free_bytes(folder))} are free now (its partial folder "
-                       f"removed). {kept}") from err
+                       f"about {gib(needed)} and {gib(free)} are free now (its partial folder removed). {kept}") from err

@@ -102,3 +102,24 @@ def test_a_short_last_micro_batch_of_reviews_weighs_no_more_than_a_full_one(toke
     short_last = classifier_gradient(head, rows, labels, [4, 2], token_mean)
     same = torch.allclose(whole, short_last, rtol=1e-5, atol=1e-7)
     assert same == token_mean  # the micro-batch means weigh the last 2 reviews twice
+
+
+class Scheduler:
+    def get_last_lr(self):
+        return [1e-5]
+
+
+def test_a_run_resumed_at_its_last_step_gets_that_step_taken_to_write_its_end():
+    """A final save that did not complete leaves the last step's checkpoint: resumed there, the loop gets that step
+    once more, taken, with nothing to train, and goes on to the end of the run; in a finished run's output, or
+    past the last step, there is nothing left to do."""
+    from finetune_kit.errors import ConfigError
+    from finetune_kit.training.loop import Position, Schedule, steps
+
+    schedule = Schedule(steps_per_epoch=3, total_steps=12)
+    (step,) = steps(Ranks(2, 2), [], Scheduler(), schedule, Position(12, 4, 0))
+    assert step.taken and step.last and step.number == 12 and step.epoch == 3 and step.ends_epoch
+    assert step.micro_batches == [] and step.after == Position(12, 4, 0)
+    for start in (Position(12, 4, 0, finished=True), Position(13, 4, 1)):
+        with pytest.raises(ConfigError, match="nothing is left to train"):
+            list(steps(Ranks(2, 2), [], Scheduler(), schedule, start))
