@@ -6,7 +6,8 @@ rendezvous over loopback into one world of 2 ranks. Against the README commands 
 the data (the shipped chat sample), the processes per node, the main node's address and port, step counts and
 sizes change -- plus --lr (a random tiny model needs a larger step than a pretrained 70B) and --lora-dropout 0
 (dropout's masks follow the split, see the 8B recipe's adapter tests). What the two nodes share with the
-classifier (resume, preemption, a dead rank, the handshake, Slurm and Kubernetes) is tested on the classifier,
+classifier (resume, preemption, a dead rank, the handshake, Slurm and Kubernetes; a damaged checkpoint, a NaN
+step, a full disk: the same checkpointer and adapter save) is tested on the classifier,
 whose configs this recipe's are (tested here).
 
 Regenerate the golden losses after an intended numerics change with

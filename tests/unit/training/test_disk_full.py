@@ -66,3 +66,26 @@ def test_a_rank_whose_peer_left_mid_save_says_the_same_only_where_the_disk_is_sh
         assert partial.exists()
         assert disk_full.short_of_room(disk, 1 * MIB) is None
         assert disk_full.short_of_room(disk, 4 * MIB) == "it takes about 4.0 MiB and 4.0 MiB are free there"
+
+
+class OneRank:
+    num_processes, is_main_process = 1, True
+
+
+def test_a_final_save_without_room_is_refused_before_it_is_written_naming_the_checkpoint_to_resume(tmp_path):
+    from finetune_kit.training import final_model
+
+    with small_filesystem(tmp_path / "disk", 4 * MIB) as disk:
+        (disk / "checkpoints/step_000012").mkdir(parents=True)
+        for name in ("trainer_state.json", "manifest.json"):
+            (disk / "checkpoints/step_000012" / name).write_text("{}")
+        with pytest.raises(disk_full.DiskFull) as stop:
+            with final_model._in_room(OneRank(), disk / "model", 8 * MIB):
+                raise AssertionError("not written: no room")
+        assert str(stop.value) == (
+            f"model/ was not written: '{disk}' has no room for it: it takes about 8.0 MiB and 4.0 MiB are free there. "
+            "Free space on that disk or point --output at a larger one; relaunch the same command: it resumes from "
+            f"the run's newest checkpoint, {disk / 'checkpoints/step_000012'}, and writes model/.")
+        with final_model._in_room(OneRank(), disk / "adapter", 1 * MIB):
+            (disk / "adapter.partial").mkdir()  # room for it: the save runs
+        assert (disk / "adapter.partial").is_dir()
