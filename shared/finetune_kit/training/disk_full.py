@@ -89,4 +89,5 @@ def room_for(folder: Path, partial: Path, needed: int, *, what: str, kept: str, 
             shutil.rmtree(partial, ignore_errors=True)
         why = why or "another rank's write failed"
         raise DiskFull(f"{what} did not fit on disk: '{folder}' filled up while it was written ({why}); it takes "
-                       f"about {gib(needed)} and {gib(free)} are free now (its partial folder removed). {kept}") from err
+                       f"about {gib(needed)} and {gib(free)} are free now (its partial folder removed). "
+                       f"{kept}") from err
