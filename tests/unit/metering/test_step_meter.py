@@ -19,7 +19,7 @@ def a_step(number: int, ids=(), seconds: float = 0.5):
     import time
 
     return SimpleNamespace(number=number, epoch=0, lr=1e-3, example_ids=list(ids),
-                           started=time.perf_counter() - seconds)
+                           started=time.perf_counter() - seconds, taken=False)
 
 
 def one_process():
