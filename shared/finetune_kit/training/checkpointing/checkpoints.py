@@ -38,7 +38,7 @@ from pathlib import Path
 
 from finetune_kit.errors import ConfigError
 from finetune_kit.training.disk_full import MARGIN as FREE_SPACE_MARGIN
-from finetune_kit.training.disk_full import free_bytes, gib, room_for
+from finetune_kit.training.disk_full import free_bytes, gib, room_for, short_of_room
 
 STATE_FILE = "trainer_state.json"  # the same name as the Trainer's, written last in both layouts
 MANIFEST = "manifest.json"  # files, sizes and checksums of a complete checkpoint (recipe layout)
@@ -282,7 +282,7 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict, keep: int
             (partial / STATE_FILE).write_text(json.dumps(state, indent=2))
             write_manifest(partial, sums, save_seconds=round(saved - began, 4),
                            checksum_seconds=round(hashed - saved, 4))
-        accelerator.wait_for_everyone()
+        accelerator.wait_for_everyone()  # the manifest written: a failure to write it stops every rank here
     if accelerator.is_main_process:
         if path.exists():  # the same step saved before (a resumed run): replaced only now, complete
             shutil.rmtree(path)
@@ -368,9 +368,9 @@ def free_space_problem(output: Path, needed: int, layout: Layout = RECIPE_LAYOUT
     """None if the disk of ``output``'s checkpoints has room for ``needed`` bytes (with the margin),
     else a sentence with both numbers and the fix."""
     root = checkpoint_root(output, layout)
-    free = free_bytes(root)
-    if free >= needed * FREE_SPACE_MARGIN:
+    if short_of_room(root, needed) is None:
         return None
+    free = free_bytes(root)
     keep = "--keep-checkpoints 1" if layout.atomic else "--save_total_limit 1"
     return (f"'{root}' has {gib(free)} free and a checkpoint takes about {gib(needed)} (x{FREE_SPACE_MARGIN} "
             f"margin). Free space on that disk ({keep} keeps only the newest checkpoint), or point the output "
