@@ -19,6 +19,7 @@
 #   python3 -m finetune_tools.gpu_check --no-save --case-timeout 300
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/with-retries.sh"  # with_retries: a download cut off midway is fetched again
 cuda=130 python="" out=gpu-bundle host=(--have "$here/gpu-host-packages.txt") more=()
 while (($#)); do
   case "$1" in
@@ -52,11 +53,11 @@ done
 platforms=()
 for n in 17 24 27 28; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 if ((${#wheels[@]})); then
-  python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$python" --implementation cp \
+  with_retries python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$python" --implementation cp \
     --platform manylinux2014_x86_64 "${platforms[@]}" --dest "$out" "${wheels[@]}"
 fi
 if ((${#sources[@]})); then
-  python -m pip wheel --quiet --no-deps --wheel-dir "$out" "${sources[@]}"
+  with_retries python -m pip wheel --quiet --no-deps --wheel-dir "$out" "${sources[@]}"
 fi
 # bitsandbytes ships a library per CUDA/ROCm/XPU release (43 MB): keep the CPU one and the host's
 bnb="$(ls "$out"/bitsandbytes-*.whl 2>/dev/null || true)"
@@ -71,7 +72,7 @@ rm -rf "$tmp"
 # DeepSpeed as a pure-Python wheel: its sdist, no ops built (they need the host's CUDA)
 if [ -n "$deepspeed" ]; then
   sdist="$(mktemp -d)"
-  python -m pip download --quiet --no-deps --no-binary=:all: --dest "$sdist" "$deepspeed"
+  with_retries python -m pip download --quiet --no-deps --no-binary=:all: --dest "$sdist" "$deepspeed"
   DS_BUILD_OPS=0 python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$out" "$sdist"/deepspeed-*.tar.gz
   rm -rf "$sdist"
 fi

@@ -12,6 +12,7 @@
 # Then, on the target:  bash docker/install-python-deps.sh --wheelhouse DIR [--keep-torch]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/with-retries.sh"  # with_retries: a download cut off midway is fetched again
 no_torch=0 dev=0 out="wheelhouse" lock=""
 while (($#)); do
   arg="$1"
@@ -26,7 +27,7 @@ while (($#)); do
 done
 mkdir -p "$out"
 if [[ -n "$lock" ]]; then
-  python -m pip download --quiet --require-hashes --no-deps --dest "$out" -r "$lock"
+  with_retries python -m pip download --quiet --require-hashes --no-deps --dest "$out" -r "$lock"
   echo "wheelhouse: $(find "$out" -type f | wc -l) files of $lock, $(du -sh "$out" | cut -f1) in $out"
   exit 0
 fi
@@ -34,7 +35,7 @@ fi
 sdist_only='rouge-score|sqlitedict|word2number'
 rest="$(mktemp)"
 grep -vE "^(torch|deepspeed|$sdist_only)==" "$here/requirements.txt" >"$rest"
-download=(python -m pip download --quiet --dest "$out")
+download=(with_retries python -m pip download --quiet --dest "$out")
 if ((!no_torch)); then
   "${download[@]}" "$(grep -E '^torch==' "$here/requirements.txt")"  # with its CUDA libraries on GPU platforms
 fi
@@ -42,9 +43,9 @@ fi
 if ((dev)); then
   "${download[@]}" --no-deps --only-binary=:all: -r "$here/requirements-dev.txt"
 fi
-python -c "import torch" 2>/dev/null || python -m pip install --quiet "$(grep -E '^torch==' "$here/requirements.txt")"
-python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$out" \
+python -c "import torch" 2>/dev/null || with_retries python -m pip install --quiet "$(grep -E '^torch==' "$here/requirements.txt")"
+with_retries python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$out" \
   "$(grep -E '^deepspeed==' "$here/requirements.txt")"
 # shellcheck disable=SC2046  # one argument per pin
-python -m pip wheel --quiet --no-deps --wheel-dir "$out" $(grep -E "^($sdist_only)==" "$here/requirements.txt")
+with_retries python -m pip wheel --quiet --no-deps --wheel-dir "$out" $(grep -E "^($sdist_only)==" "$here/requirements.txt")
 echo "wheelhouse: $(find "$out" -name '*.whl' | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"

@@ -12,6 +12,7 @@
 # A wheelhouse holds DeepSpeed already built as a wheel.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/with-retries.sh"  # with_retries: a download cut off midway is fetched again
 dev=0 keep_torch=0 wheelhouse="" lock=""
 while (($#)); do
   case "$1" in
@@ -24,7 +25,7 @@ while (($#)); do
   esac
   shift
 done
-pip=(python -m pip install --quiet)
+pip=(with_retries python -m pip install --quiet)
 if [[ -n "$wheelhouse" ]]; then
   [[ -d "$wheelhouse" ]] || { echo "install-python-deps.sh: wheelhouse '$wheelhouse' is not a folder" >&2; exit 2; }
   pip+=(--no-index --find-links "$wheelhouse")
