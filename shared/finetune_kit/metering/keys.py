@@ -31,6 +31,8 @@ GRAD_NORM = Metric("grad_norm", "1", "grad_norm", "L2 norm of the step's whole g
 TOKENS = Metric("tokens", "tokens", "tokens", "real (non-padding) tokens in the step, all ranks")
 PADDING_FRACTION = Metric("padding_fraction", "1", "padding", "padded slots / all slots in the step's batches")
 STEP_TIME = Metric("step_time_s", "s", "s/step", "wall-clock time of the step")
+FIRST_STEP_AFTER = Metric("first_step_after_s", "s", "s", "from the process's start to its first step: imports, "
+                          "data, the model's load, the engine's set-up (once a run, not a step metric)")
 TOKENS_PER_S = Metric("tokens_per_s", "tokens/s", "tok/s", "real tokens per second, all ranks")
 TOKENS_PER_S_PER_DEVICE = Metric("tokens_per_s_per_device", "tokens/s", "tok/s/dev",
                                  "real tokens per second per device (GPU, or CPU rank)")

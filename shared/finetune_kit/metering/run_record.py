@@ -99,6 +99,7 @@ class Measured(_Strict):
     peak_gpu_device_GiB: float | None = None  # NVML's used memory of the GPU, max over ranks
     peak_host_rss_GiB_per_node: float | None = None  # sum over a node's ranks, max over nodes
     predicted_gpu_GiB: float | None = None  # the memory planner's prediction, when run
+    first_step_after_s: float | None = None  # keys.FIRST_STEP_AFTER: rank 0's start to its first step
 
 
 class SampleFigures(_Strict):
@@ -229,7 +230,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
                      ds_config: dict, script_args: dict, world: int, nodes: int, training: dict,
                      meter, warmup_steps: int, peaks: dict, where: Path,
                      predicted_gpu_GiB: float | None = None, memory_cap_GiB: float | None = None,
-                     engine: str = "deepspeed") -> RunRecord:
+                     engine: str = "deepspeed", first_step_after_s: float | None = None) -> RunRecord:
     """Assemble the record at the end of a run from what the script already has.
 
     ``training``: method, seq_len, micro_batch_size, grad_accum, gradient_checkpointing
@@ -259,7 +260,7 @@ def for_training_run(*, recipe: str, model_name: str, arch, flop_counter, params
         measured=Measured(steps_total=len(meter.history), steps_measured=summary["steps_measured"],
                           warmup_steps_excluded=warmup_steps, flops_formula=flop_counter.method,
                           **medians, **peaks,
-                          predicted_gpu_GiB=predicted_gpu_GiB),
+                          predicted_gpu_GiB=predicted_gpu_GiB, first_step_after_s=first_step_after_s),
     )
 
 

@@ -17,6 +17,7 @@ trained on (``seen_ids``, for the run info). Keys: :mod:`finetune_kit.metering.k
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,17 @@ from finetune_kit.metering.metrics_log import MetricsLog
 from finetune_kit.metering.throughput import StepTally, ThroughputMeter
 
 
+def seconds_since_start() -> float | None:
+    """Seconds since this process started (Linux's /proc: field 22 of its stat, in clock ticks since boot), or None
+    where that cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - ticks / os.sysconf("SC_CLK_TCK"), 1)
+
+
 class StepMeter:
     def __init__(self, accelerator, flop_counter: FlopCounter, output: Path, *, total_steps: int,
                  initial_step: int, log_every: int, recipe: str = "recipe", peak_tflops: float | None = None):
@@ -38,6 +50,11 @@ class StepMeter:
         self.tally = StepTally(flop_counter)
         self.rates = ThroughputMeter(accelerator.num_processes, peak_tflops=peak_tflops)  # MFU against it
         self.log = MetricsLog(output, enabled=accelerator.is_main_process, accelerator=accelerator)
+        # what a run waits before its first step, a 70B's load above all (the run record's first_step_after_s)
+        self.first_step_after_s = seconds_since_start()
+        if self.first_step_after_s is not None and accelerator.is_local_main_process:
+            print(f"first step {self.first_step_after_s:.0f} s after this process started (imports, data, the "
+                  "model's load, the engine's set-up)", flush=True)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step",
                         disable=not accelerator.is_local_main_process)
         self.total_steps, self.log_every = total_steps, log_every

@@ -31,7 +31,8 @@ def test_run_record_measures_use_the_defined_names():
     """Medians are named after a step metric, peaks are peak_<metric>[_per_node]."""
     step = {m.key for m in keys.STEP_METRICS}
     peaks = {keys.peak_key(m) for m in keys.MEMORY} | {keys.peak_key(m, "_per_node") for m in keys.MEMORY}
-    bookkeeping = {"steps_total", "steps_measured", "warmup_steps_excluded", "flops_formula", "predicted_gpu_GiB"}
+    bookkeeping = {"steps_total", "steps_measured", "warmup_steps_excluded", "flops_formula", "predicted_gpu_GiB",
+                   keys.FIRST_STEP_AFTER.key}
     for name in Measured.model_fields:
         assert name in step | peaks | bookkeeping, name
 
