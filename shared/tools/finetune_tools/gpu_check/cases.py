@@ -13,6 +13,9 @@ checkpoints of the others can live in host memory), while its time grows with ev
 
 :data:`FP8_CASES` are the 8B recipe under FSDP2 with ``configs/fsdp2-fp8.yaml``, the launch config its
 ``--fp8`` needs, for the ablation's fp8 rows only: the bf16 rows beside them use ``configs/fsdp2.yaml``.
+
+:data:`FULL_DEPTH_CASES` run a recipe on the whole depth of its model, never truncated, when named in ``--cases``:
+the 70B chat recipe on all 80 layers of Llama 3.3 70B saved in 4-bit, which one GPU holds.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Case:
     gpu_only: str = ""  # why the case cannot run on a CPU ("" when it can)
     method: str = "full"
     max_positions: int = 0  # the check model's max_position_embeddings (0: the published architecture's)
+    prequantized: bool = False  # the model folder saved in 4-bit, as a *-bnb-4bit download (synthetic.build_4bit_model)
     extra: dict = field(default_factory=dict)
 
 
@@ -81,8 +85,17 @@ FP8_CASES = [
     Case(FP8_FSDP2, "llama3-8b-zero3", "llama3-8b", "llama3", "instructions", layers=8, seq_len=4096,
          micro_batch=2, launcher=(*ACCELERATE_1GPU, "--config_file", "configs/fsdp2-fp8.yaml")),
 ]
-BY_NAME = {case.name: case for case in CASES}  # what --cases takes
-EVERY_CASE = {case.name: case for case in CASES + LONG_CASES + FP8_CASES}  # what an ablation row may name
+FULL_70B = "llama3-70b-qlora-chat-80-layers"
+FULL_DEPTH_CASES = [
+    # all 80 layers of Llama 3.3 70B from a 4-bit folder on one GPU: the chat recipe at its sequence length, at the
+    # micro-batch its memory plan gives one 80 GB GPU; no sample answers (a 70B's generation is not what is measured)
+    Case(FULL_70B, "llama3-70b-qlora-chat", "llama3.3-70b", "llama3", "instructions", layers=80, seq_len=2048,
+         micro_batch=1, method="qlora", prequantized=True, flags=("--samples", "0"),
+         launcher=(*ACCELERATE_1GPU, "--config_file", "configs/zero3-main.yaml", "--num_machines", "1",
+                   "--machine_rank", "0", "--main_process_ip", "127.0.0.1")),
+]
+BY_NAME = {case.name: case for case in CASES + FULL_DEPTH_CASES}  # what --cases takes (CASES by default)
+EVERY_CASE = {case.name: case for case in CASES + LONG_CASES + FP8_CASES + FULL_DEPTH_CASES}  # what a row may name
 
 
 def cpu_adam(case: Case) -> bool:

@@ -35,7 +35,13 @@ from finetune_kit import command_line
 from finetune_kit.launch import cuda_allocator, memory_cap
 from finetune_tools.gpu_check import ablation, host_check
 from finetune_tools.gpu_check.cases import BY_NAME, CASES, EVERY_CASE, Case, cpu_adam, recipe_flags
-from finetune_tools.gpu_check.synthetic import EXAMPLES_PER_SEQUENCE, build_model, check_shape, write_data
+from finetune_tools.gpu_check.synthetic import (
+    EXAMPLES_PER_SEQUENCE,
+    build_4bit_model,
+    build_model,
+    folder_bytes,
+    write_data,
+)
 from finetune_tools.paths import find_root
 from finetune_tools.tables import text_table
 
@@ -67,9 +73,10 @@ def out_of_memory(log: str) -> str | None:
     return lines[-1][:500] if lines else None
 
 
-def model_folder(out: Path, arch: str, layers: int, tiny: bool, max_positions: int = 0) -> Path:
+def model_folder(out: Path, arch: str, layers: int, tiny: bool, max_positions: int = 0,
+                 prequantized: bool = False) -> Path:
     return out / "models" / (f"{arch}-{layers}-layers" + (f"-{max_positions}-positions" if max_positions else "")
-                             + ("-tiny" if tiny else ""))
+                             + ("-bnb-4bit" if prequantized else "") + ("-tiny" if tiny else ""))
 
 
 def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path]:
@@ -77,17 +84,18 @@ def build_models(specs: list[tuple], out: Path, *, tiny: bool) -> dict[str, Path
     took goes back to the driver when that process ends, before any case trains."""
     ctx = multiprocessing.get_context("spawn")
     paths = {}
-    for arch, family, layers, positions in specs:
-        folder = model_folder(out, arch, layers, tiny, positions)
+    for arch, family, layers, positions, prequantized in specs:
+        folder = model_folder(out, arch, layers, tiny, positions, prequantized)
         start = time.monotonic()
-        proc = ctx.Process(target=build_model, args=(arch, family, layers, folder),
-                           kwargs={"tiny": tiny, "max_positions": positions})
+        proc = ctx.Process(target=build_4bit_model if prequantized else build_model,
+                           args=(arch, family, layers, folder),
+                           kwargs={"tiny": tiny, **({} if prequantized else {"max_positions": positions})})
         proc.start()
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"building the {arch} model ({layers} layers) failed with exit code {proc.exitcode}")
         print(f"model {folder.name}: {time.monotonic() - start:.0f} s", flush=True)
-        paths[(arch, family, layers, positions)] = folder
+        paths[(arch, family, layers, positions, prequantized)] = folder
     return paths
 
 
@@ -185,6 +193,7 @@ def record_summary(name: str, record_path: Path, copy_to: Path) -> dict:
             "peak_gpu_allocated_GiB": m.peak_gpu_allocated_GiB, "peak_gpu_reserved_GiB": m.peak_gpu_reserved_GiB,
             "peak_gpu_device_GiB": m.peak_gpu_device_GiB, "step_time_s": m.step_time_s,
             "peak_host_rss_GiB_per_node": m.peak_host_rss_GiB_per_node, "predicted_gpu_GiB": m.predicted_gpu_GiB,
+            "first_step_after_s": m.first_step_after_s,
             "predicted_minus_reserved_percent": error, "software": record.software.model_dump(),
             "record": str(copy_to)}
 
@@ -290,10 +299,11 @@ def main(argv=None) -> int:
     fp8 = any(host_check.fp8_choice(f) != "none" and not host_check.not_applicable(f, capability) for f in run_flags)
     layers_of = {c.name: args.layers or (TINY["layers"] if tiny else c.layers) for c in cases}
     runnable = [c for c in cases if not (tiny and c.gpu_only)]
-    specs = sorted({(c.arch, c.family, layers_of[c.name], c.max_positions) for c in runnable})
-    unbuilt = [(a, n) for a, _, n, p in specs if not (model_folder(out, a, n, tiny, p) / "config.json").is_file()]
+    specs = sorted({(c.arch, c.family, layers_of[c.name], c.max_positions, c.prequantized) for c in runnable})
+    unbuilt = [(a, n, q) for a, _, n, p, q in specs
+               if not (model_folder(out, a, n, tiny, p, q) / "config.json").is_file()]
     found = host_check.problems(runnable, out, gpu=gpu and not tiny,
-                               model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
+                               model_bytes=sum(folder_bytes(a, n, tiny, q) for a, n, q in unbuilt),
                                gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None, fp8=fp8)
     if found:
         print("error: this host is not ready for the GPU check; nothing was built or run:", file=sys.stderr)
@@ -354,7 +364,8 @@ def main(argv=None) -> int:
             rows.append({**not_run, "reason": stopped})
         else:
             try:
-                rows.append({**run_case(case, root, out, models[(case.arch, case.family, layers, case.max_positions)],
+                rows.append({**run_case(case, root, out, models[(case.arch, case.family, layers, case.max_positions,
+                                                               case.prequantized)],
                                         layers=layers, save=args.save, timeout=args.case_timeout, name=name, **given),
                              **about})
             except Exception as err:  # one broken case must not lose the others' summary

@@ -49,7 +49,7 @@ from pathlib import Path
 from finetune_kit import command_line
 from finetune_tools.gpu_check import host_check, runner
 from finetune_tools.gpu_check.cases import ACCELERATE_1GPU, BY_NAME, Case
-from finetune_tools.gpu_check.synthetic import check_shape
+from finetune_tools.gpu_check.synthetic import folder_bytes
 from finetune_tools.paths import find_root
 from finetune_tools.tables import text_table
 
@@ -311,11 +311,11 @@ def main(argv=None) -> int:
     runnable = [c for c in cases if not (tiny and c.gpu_only)]
     fp8 = any(host_check.fp8_choice(r.flags) != "none" and not host_check.not_applicable(r.flags, capability)
               for r in rows)
-    specs = sorted({(c.arch, c.family, c.layers, c.max_positions) for c in runnable})
-    unbuilt = [(a, n) for a, _, n, p in specs
-               if not (runner.model_folder(out, a, n, tiny, p) / "config.json").is_file()]
+    specs = sorted({(c.arch, c.family, c.layers, c.max_positions, c.prequantized) for c in runnable})
+    unbuilt = [(a, n, q) for a, _, n, p, q in specs
+               if not (runner.model_folder(out, a, n, tiny, p, q) / "config.json").is_file()]
     found = host_check.problems(runnable, out, gpu=gpu and not tiny,
-                               model_bytes=sum(2 * check_shape(a, n, tiny).total_params() for a, n in unbuilt),
+                               model_bytes=sum(folder_bytes(a, n, tiny, q) for a, n, q in unbuilt),
                                gpu_used_GiB=info["total_GiB"] - info["free_GiB"] if info else None, fp8=fp8,
                                also=(("lm_eval",) if any(r.command == "eval" for r in rows) else ())
                                + (("liger_kernel",) if gpu and not tiny and any("liger" in r.flags for r in rows)
@@ -397,7 +397,8 @@ def run_row(row: Row, root: Path, out: Path, models: dict, *, tiny: bool, gpu: b
         else row.seq_len or case.seq_len
     micro_batch = row.micro_batch or (runner.TINY["micro_batch"] if tiny else case.micro_batch)
     try:
-        got = runner.run_case(case, root, out, models[(case.arch, case.family, case.layers, case.max_positions)],
+        got = runner.run_case(case, root, out, models[(case.arch, case.family, case.layers, case.max_positions,
+                                                                 case.prequantized)],
                               layers=case.layers, steps=STEPS, seq_len=seq_len, micro_batch=micro_batch, grad_accum=1,
                               save=row.save, timeout=timeout, name=row.name, data=row.data,
                               extra=("--meter-warmup-steps", str(row.warmup), *row.flags))

@@ -72,6 +72,98 @@ def build_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = 
     return out
 
 
+def folder_bytes(arch: str, layers: int, tiny: bool = False, prequantized: bool = False) -> int:
+    """What the check model's folder takes on disk: bf16 weights, or (``prequantized``) the decoder layers' linear
+    weights at 4 bits with one absmax byte a block of 64 (double quantization: a float32 a group of 256 blocks), and
+    for each weight its code books (16 + 256 float32) and its settings' JSON (about 170 bytes); the rest in bf16."""
+    shape = check_shape(arch, layers, tiny)
+    if not prequantized:
+        return 2 * shape.total_params()
+    linear = layers * shape.block_linear_params()
+    per_weight = 4 * (16 + 256) + 4 + 170
+    return linear // 2 + linear // 64 + linear // 4096 + layers * len(shape.linear_shapes()) * per_weight \
+        + 2 * shape.unquantised_params()
+
+
+SHARD_BYTES = 5 * 2**30  # the hub's folders are cut in shards of about 5 GB
+
+
+def build_4bit_model(arch: str, family: str, layers: int, out: Path, *, tiny: bool = False, seed: int = 0) -> Path:
+    """Write the check model as a ``*-bnb-4bit`` download is saved (bitsandbytes nf4, double quantization, the
+    packed weights stored as bf16: :func:`finetune_kit.models.qlora.bnb_config`, what the 70B recipes train with)
+    and a tokenizer to ``out``; reuse it if there. Built one decoder layer at a time (random bf16 weights on the
+    GPU, quantized there, written in shards of :data:`SHARD_BYTES`), so a 70B folder never needs its 140 GB of
+    16-bit weights in memory or on disk. The embeddings and the LM head stay bf16, as bitsandbytes leaves them."""
+    import bitsandbytes as bnb
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from finetune_kit.models.qlora import bnb_config
+    from finetune_tools.tiny_models import FAMILIES, train_tokenizer
+
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
+        return out
+    fam = FAMILIES[family]
+    tokenizer = train_tokenizer(fam, sample_texts(), vocab_size=512)
+    config = LlamaConfig(**check_config(arch, layers, tiny), rms_norm_eps=fam.rms_norm_eps,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    quantization = bnb_config(torch.bfloat16, torch.bfloat16)
+    config.quantization_config = quantization
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
+    std = config.initializer_range
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict] = [{}]
+    total = 0
+
+    def keep(name: str, tensor) -> None:
+        nonlocal total
+        if sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > SHARD_BYTES and shards[-1]:
+            save_file(shards[-1], out / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+            shards.append({})
+            shards[-2] = dict.fromkeys(shards[-2])  # written: only the names stay
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        total += tensor.nbytes
+
+    def random_bf16(*shape):
+        return torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=generator)
+
+    keep("model.embed_tokens.weight", random_bf16(config.vocab_size, config.hidden_size))
+    for index in range(layers):
+        with torch.device(device):
+            layer = LlamaDecoderLayer(config, layer_idx=index).to(torch.bfloat16)
+        for parent in list(layer.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                          compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                          quant_storage=torch.bfloat16, device="meta")
+                    q.weight = bnb.nn.Params4bit(random_bf16(child.out_features, child.in_features),
+                                                 requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                                 quant_storage=torch.bfloat16, module=q).to(device)  # quantizes
+                    setattr(parent, child_name, q)
+        for name, tensor in layer.state_dict(prefix=f"model.layers.{index}.").items():
+            keep(name, tensor)
+        del layer
+    keep("model.norm.weight", torch.ones(config.hidden_size, dtype=torch.bfloat16))
+    keep("lm_head.weight", random_bf16(config.vocab_size, config.hidden_size))
+    save_file(shards[-1], out / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"part-{number}.safetensors").rename(out / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    config.save_pretrained(out)  # last: a folder with its config.json is whole
+    return out
+
+
 def sample_texts() -> list[str]:
     from finetune_kit.data.instructions import SAMPLE_INSTRUCTIONS
 
