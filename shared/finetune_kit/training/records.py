@@ -136,7 +136,7 @@ def finish(accelerator, checked, args, model, meter, *, steps: int, total_steps:
             script_args=checked.script_args, world=acc.num_processes, nodes=env.num_nodes(), meter=rates,
             warmup_steps=args.meter_warmup_steps, peaks=all_peaks, where=Path(sys.argv[0]).resolve().parent,
             predicted_gpu_GiB=checked.plan.memory.gpu_bytes / 2**30, memory_cap_GiB=checked.plan.memory_cap_GiB,
-            first_step_after_s=meter.first_step_after_s,
+            first_step_after_s=getattr(meter, "first_step_after_s", None),  # the HF Trainer paths: not measured
             training={"method": checked.method, "seq_len": args.max_seq_len, **batch,
                       **({"levers": checked.plan.levers} if checked.plan.levers else {}), "loss_chunks": chunks,
                       "loss_kernel": losses.loss_kernel(getattr(args, "loss_kernel", "chunked"))
