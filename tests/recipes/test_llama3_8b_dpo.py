@@ -294,7 +294,9 @@ def test_an_sft_model_is_its_own_reference(recipe_copy, tiny_llama3, fp32_runs, 
     assert_finished(proc, 1)
     assert re.search(r"Computing reference log probs for train", proc.stdout + proc.stderr)
     first, base_first = read_metrics(output)[0], read_metrics(fp32_runs["2x2x1"])[0]
-    assert first["loss"] == pytest.approx(LN2, abs=FIRST_STEP_ATOL) and first["preference_accuracy"] == 0.0
+    # log-probs of the reference pass (its own batches) equal the policy's to rounding, not always to the bit: a
+    # margin of 1e-7 counts as a won pair, so the step is held to a zero margin within the tolerance instead
+    assert first["loss"] == pytest.approx(LN2, abs=FIRST_STEP_ATOL) and abs(first["reward_margin"]) < FIRST_STEP_ATOL
     assert abs(first["logps_chosen"] - base_first["logps_chosen"]) > 0.1, (first, base_first)
 
 
