@@ -59,7 +59,7 @@ def test_a_rank_whose_peer_left_mid_save_says_the_same_only_where_the_disk_is_sh
                 with disk_full.room_for(disk, partial, needed, what="model/", kept="...", writer=False):
                     raise gone
             assert ("another rank's write failed" in str(stop.value)) == stops
-            assert partial.exists()  # not the writer: the writer removes it
+            assert partial.exists() != stops  # removed by every rank that stops, kept where the failure is raised
         with pytest.raises(ValueError, match="a bug"):  # not a write: raised as it came, the partial folder kept
             with disk_full.room_for(disk, partial, 8 * MIB, what="model/", kept="...", writer=True):
                 raise ValueError("a bug")
@@ -89,3 +89,35 @@ def test_a_final_save_without_room_is_refused_before_it_is_written_naming_the_ch
         with final_model._in_room(OneRank(), disk / "adapter", 1 * MIB):
             (disk / "adapter.partial").mkdir()  # room for it: the save runs
         assert (disk / "adapter.partial").is_dir()
+
+
+def test_the_last_rank_out_removes_what_ranks_that_stopped_before_it_left_behind(tmp_path):
+    """Ranks do not stop at once: the writer fails first and removes the folder while another rank still writes
+    (it makes its shard's folder again); that rank's own stop removes it, so nothing is left. A rank whose file
+    vanished under it (the folder removed by the first) stops with the same line; a missing file elsewhere is a bug
+    raised as it came."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with small_filesystem(tmp_path / "disk", 4 * MIB) as disk:
+        partial = disk / "checkpoints/step_000006.partial"
+        (partial / "pytorch_model").mkdir(parents=True)
+        (partial / "pytorch_model/mp_rank_00_model_states.pt").write_bytes(b"x" * MIB)
+        with pytest.raises(disk_full.DiskFull, match="No space left on device"):
+            with disk_full.room_for(disk, partial, 8 * MIB, what="the step-6 checkpoint", kept="...", writer=True):
+                raise full
+        assert not partial.exists()
+        with pytest.raises(disk_full.DiskFull, match="No space left on device"):  # the late rank, writer=False
+            with disk_full.room_for(disk, partial, 8 * MIB, what="the step-6 checkpoint", kept="...", writer=False):
+                (partial / "pytorch_model").mkdir(parents=True)
+                (partial / "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x" * MIB)
+                raise full
+        assert not partial.exists()
+        for err in (FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(partial / "random_states_1.pkl")),
+                    RuntimeError(f"Parent directory {partial}/pytorch_model does not exist.")):
+            with pytest.raises(disk_full.DiskFull, match="another rank's write failed"):
+                with disk_full.room_for(disk, partial, 1 * MIB, what="the step-6 checkpoint", kept="...",
+                                        writer=False):
+                    raise err
+        elsewhere = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(disk / "tokenizer.json"))
+        with pytest.raises(FileNotFoundError):
+            with disk_full.room_for(disk, partial, 1 * MIB, what="the step-6 checkpoint", kept="...", writer=True):
+                raise elsewhere
